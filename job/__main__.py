@@ -1,0 +1,46 @@
+"""Command line: `python -m job [run] --config run.yaml [--set key=value ...]`, `python -m job schema`.
+
+`run` parses the config (errors name the field and exit 2), prints the resolved config, prepares the run
+directory, trains under Ray Train (or under torchrun when started by it), and says where the run is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import config as config_lib
+from . import launch
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["schema"]:
+        print(json.dumps(config_lib.json_schema(), indent=2))
+        return 0
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="python -m job", description="FSDP2 fine-tune under Ray Train.")
+    parser.add_argument("--config", required=True, help="run config YAML")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_lib.load(args.config, args.set)
+    except config_lib.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = launch.run_directory(cfg)
+    if launch.under_torchrun():
+        loop_config = launch.prepare(cfg, run_dir)
+        launch.run_with_torchrun(loop_config)
+        return 0
+    print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
+    loop_config = launch.prepare(cfg, run_dir)
+    launch.run_with_ray(cfg, loop_config)
+    print(f"run directory: {run_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

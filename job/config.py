@@ -1,0 +1,459 @@
+"""Run configuration: one YAML file loaded into a typed dataclass tree.
+
+The same file drives every launcher: the local embedded run, torchrun, and the Helm chart (which renders
+`.Values.run` into a ConfigMap). Loading is strict, so a typo never silently falls back to a default:
+
+* unknown keys, wrong types and impossible combinations raise `ConfigError` naming the dotted path,
+  e.g. ``train.seq_len: expected int, got 'abc'``;
+* ``--set train.max_steps=20`` overrides go through the same checks (values are parsed as YAML scalars);
+* `json_schema()` derives a JSON Schema from the same dataclasses (field docstrings become descriptions),
+  so the chart's ``values.schema.json`` validates ``run:`` with the rules Python applies.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad run configuration; the message starts with the dotted path of the offending field."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The config tree. Each field has a docstring: it is the documentation and the JSON Schema description.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local directory or hub id of a Hugging Face causal LM. With `init: pretrained` its weights are loaded;
+    with `init: random` only its config is used. Hub access reads the token from `HF_TOKEN`."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit) of `path`; ignored for local directories."""
+    preset: Optional[Literal["qwen2.5-1.5b", "qwen2-tiny"]] = None
+    """Built-in architecture for `init: random` without weights: `qwen2.5-1.5b` (the reference workload) or
+    `qwen2-tiny` (a few-million-parameter Qwen2 for CPU demos and tests)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """`pretrained` loads weights from `path`; `random` initialises the architecture from `preset` or `path`."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields of the Hugging Face model config to override, e.g. `{num_hidden_layers: 4}`."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory or hub id; defaults to `path`. Not needed for synthetic data."""
+    train_tokenizer_vocab: Optional[int] = None
+    """Train a byte-level BPE tokenizer of this vocabulary size on the training text instead of loading one
+    (for random-init models that have no tokenizer); it is saved in the run directory."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to transformers."""
+
+
+@dataclass
+class DataConfig:
+    format: Literal["synthetic", "text"] = "synthetic"
+    """`synthetic`: seeded random tokens (an infrastructure check, nothing to learn); `text`: language
+    modelling on plain text, documents joined with EOS and packed into `train.seq_len` blocks."""
+    train: Optional[str] = None
+    """Training source: a file or directory path, or `builtin:python-docs` (the Python language reference
+    that ships with every Python, about 465 KB of text)."""
+    validation_fraction: float = 0.05
+    """Fraction of the training blocks held out for evaluation (seeded, taken before training sees them)."""
+    synthetic_vocab: Optional[int] = None
+    """Token ids drawn for synthetic data; defaults to the model's vocabulary size."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 4
+    """Sequences per device per forward/backward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (global batch = micro_batch_size x accum x workers)."""
+    seq_len: int = 256
+    """Tokens per sequence (packed block length)."""
+    lr: float = 3.0e-4
+    """Peak learning rate, reached after warmup."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay as a fraction of `lr`."""
+    warmup_steps: int = 10
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to norms and biases)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the fused linear cross-entropy, which never materialises the full vocabulary-wide
+    logits; 0 computes plain logits and cross-entropy."""
+    seed: int = 0
+    """Seed for model init, data order and synthetic tokens."""
+
+
+@dataclass
+class ParallelConfig:
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """`bf16`: bf16 parameters and compute with fp32 gradient reduction; `fp32`: full precision;
+    `auto`: bf16 on GPU, fp32 on CPU."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each layer's forward (less memory, one more all-gather in backward)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+    compile: bool = False
+    """`torch.compile` each decoder layer."""
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 2
+    """Training workers (one per GPU when `use_gpu`)."""
+    use_gpu: bool = False
+    """Give each worker one GPU and use NCCL; otherwise CPU workers with gloo."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker in Ray."""
+    max_failures: int = 0
+    """Worker-group failures to recover from (restarting from the latest checkpoint) before the run fails."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep."""
+    resume: str = "auto"
+    """`auto`: resume from the latest checkpoint of this run name if one exists; `never`: fail if the run
+    already has checkpoints; or a checkpoint directory/URI to start from."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Held-out loss and perplexity every N steps (0: only at the end)."""
+    max_batches: int = 16
+    """Held-out micro-batches per evaluation per worker (0: the whole held-out split)."""
+    sample_prompt: Optional[str] = None
+    """Greedy-generate a short continuation of this prompt after training, as a sanity check."""
+    sample_tokens: int = 48
+    """Tokens to generate for `sample_prompt`."""
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 10
+    """Log training metrics every N steps (the only host-device sync in the hot loop)."""
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    """Progress bar on rank 0's stderr; `auto` shows it only when attached to a terminal."""
+    peak_flops: Optional[float] = None
+    """Peak dense bf16 FLOP/s per device for MFU; defaults to a table keyed by device name."""
+
+
+@dataclass
+class ExpectConfig:
+    transport: Optional[Literal["efa", "ib", "socket", "nvlink", "shm", "gloo"]] = None
+    """Network transport NCCL must use between nodes (or within a node, for `nvlink`/`shm`); the run fails
+    in preflight when another one is in use."""
+    min_busbw_gbps: Optional[float] = None
+    """Minimum all-reduce bus bandwidth (GB/s, nccl-tests definition) at the largest message size."""
+
+
+@dataclass
+class PreflightConfig:
+    enabled: bool = False
+    """Run the preflight checks (devices, collective bandwidth, NCCL transport) before training."""
+    sizes_mib: list[int] = field(default_factory=lambda: [1, 16, 256, 1024])
+    """Message sizes of the collective benchmark, in MiB."""
+    iters: int = 5
+    """Timed iterations per collective and size."""
+    warmup: int = 2
+    """Untimed iterations before timing."""
+    expect: ExpectConfig = field(default_factory=ExpectConfig)
+    """What the preflight must find, or the run fails before training starts."""
+
+
+@dataclass
+class RunConfig:
+    name: str = ""
+    """Run name: checkpoints, metrics and the run record live under `<storage_path>/<name>/`. Re-running the
+    same name resumes it. The chart sets it from the release name."""
+    storage_path: str = "./runs"
+    """Directory (local, a mounted PVC/NFS path) or `s3://` URI under which runs are stored."""
+    mode: Literal["train", "preflight"] = "train"
+    """`train`: fine-tune (after the preflight when `preflight.enabled`); `preflight`: only the preflight."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The causal LM to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out data."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """FSDP2 sharding, precision and compilation."""
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    """Workers and their resources."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics logging."""
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    """Environment and network checks before training."""
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks across fields that types alone cannot express; raises `ConfigError` naming the field."""
+    positive = {
+        "train.max_steps": cfg.train.max_steps,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.grad_accum_steps": cfg.train.grad_accum_steps,
+        "train.seq_len": cfg.train.seq_len,
+        "train.lr": cfg.train.lr,
+        "scaling.num_workers": cfg.scaling.num_workers,
+        "scaling.cpus_per_worker": cfg.scaling.cpus_per_worker,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "logging.every_steps": cfg.logging.every_steps,
+        "preflight.iters": cfg.preflight.iters,
+    }
+    for path, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{path}: must be > 0, got {value}")
+    non_negative = {
+        "train.warmup_steps": cfg.train.warmup_steps,
+        "train.weight_decay": cfg.train.weight_decay,
+        "train.grad_clip": cfg.train.grad_clip,
+        "train.loss_chunk_size": cfg.train.loss_chunk_size,
+        "scaling.max_failures": cfg.scaling.max_failures,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "eval.every_steps": cfg.eval.every_steps,
+        "eval.max_batches": cfg.eval.max_batches,
+        "preflight.warmup": cfg.preflight.warmup,
+    }
+    for path, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{path}: must be >= 0, got {value}")
+    if not cfg.name:
+        raise ConfigError("name: required (the run name; the chart sets it from the release name)")
+    if cfg.train.warmup_steps >= cfg.train.max_steps:
+        raise ConfigError(
+            f"train.warmup_steps: {cfg.train.warmup_steps} must be below train.max_steps ({cfg.train.max_steps})"
+        )
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
+    if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
+        raise ConfigError(f"train.betas: expected two values in [0, 1), got {cfg.train.betas}")
+    if not 0.0 <= cfg.data.validation_fraction < 1.0:
+        raise ConfigError(f"data.validation_fraction: must be within [0, 1), got {cfg.data.validation_fraction}")
+    m = cfg.model
+    if m.init == "pretrained" and m.path is None:
+        raise ConfigError("model.path: required with model.init: pretrained (or set model.init: random)")
+    if m.init == "random" and m.path is None and m.preset is None:
+        raise ConfigError("model.preset: model.init: random needs an architecture: set model.preset or model.path")
+    if m.preset is not None and m.path is not None:
+        raise ConfigError("model.preset: give either model.preset or model.path, not both")
+    if m.train_tokenizer_vocab is not None and m.tokenizer is not None:
+        raise ConfigError("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
+    if m.train_tokenizer_vocab is not None and m.train_tokenizer_vocab < 260:
+        raise ConfigError(f"model.train_tokenizer_vocab: must be >= 260 (256 bytes + specials), got {m.train_tokenizer_vocab}")
+    if cfg.data.format == "synthetic":
+        if cfg.data.train is not None:
+            raise ConfigError("data.train: synthetic data takes no source (set data.format: text to train on it)")
+    elif cfg.data.train is None:
+        raise ConfigError(f"data.train: required with data.format: {cfg.data.format}")
+    else:
+        if m.tokenizer is None and m.path is None and m.train_tokenizer_vocab is None:
+            raise ConfigError(
+                "model.tokenizer: real data needs a tokenizer: set model.tokenizer, model.path "
+                "or model.train_tokenizer_vocab"
+            )
+    if not cfg.preflight.sizes_mib or min(cfg.preflight.sizes_mib) <= 0:
+        raise ConfigError(f"preflight.sizes_mib: expected a non-empty list of sizes > 0, got {cfg.preflight.sizes_mib}")
+    if cfg.parallel.cpu_offload and cfg.parallel.compile:
+        raise ConfigError("parallel.compile: not supported together with parallel.cpu_offload")
+    if cfg.parallel.mixed_precision == "bf16" and not cfg.scaling.use_gpu:
+        raise ConfigError("parallel.mixed_precision: bf16 needs scaling.use_gpu: true (CPU runs use fp32)")
+    if cfg.eval.sample_prompt is not None and cfg.data.format == "synthetic":
+        raise ConfigError("eval.sample_prompt: synthetic data has no tokenizer to encode a prompt")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading: dict → dataclasses, with dotted-path errors.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Checks `value` against the annotation `tp` and returns it (dataclasses built from mappings)."""
+    origin = typing.get_origin(tp)
+    fail = ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            return _convert(value, arg, path)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise fail
+    if origin is list:
+        if not isinstance(value, list):
+            raise fail
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise fail
+        _, item = typing.get_args(tp)
+        return {k: _convert(v, item, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise fail
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise fail
+    raise TypeError(f"{path}: unsupported annotation {tp}")  # a bug in this module, not in the input
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in hints:
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"{path}: unknown key (known keys here: {known})")
+        kwargs[key] = _convert(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def load_dict(raw: dict | None) -> RunConfig:
+    """Builds and validates a `RunConfig` from a mapping (missing keys take their defaults)."""
+    cfg = _build(RunConfig, raw or {})
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Applies `a.b.c=value` overrides to a raw config mapping; values are parsed as YAML scalars."""
+    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        node = raw
+        *parents, leaf = key.split(".")
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(parents[: i + 1])}: cannot set {key}, this is not a mapping")
+        node[leaf] = yaml.safe_load(text)
+    return raw
+
+
+def load(path: str, overrides: list[str] = ()) -> RunConfig:
+    """Reads a YAML run config file, applies `--set` overrides, and validates the result."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping at the top level")
+    return load_dict(apply_overrides(raw, list(overrides)))
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# JSON Schema, for the chart's values.schema.json.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal after each field) of a dataclass, read from its source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _schema(tp: Any) -> dict:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        docs = _field_docs(tp)
+        props = {}
+        for f in dataclasses.fields(tp):
+            props[f.name] = {**_schema(_hints(tp)[f.name]), "description": docs[f.name]}
+        return {"type": "object", "additionalProperties": False, "properties": props}
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        schema = _schema(inner)
+        if "enum" in schema:
+            return {"enum": [*schema["enum"], None]}
+        return {**schema, "type": [schema["type"], "null"]}
+    if origin is Literal:
+        return {"enum": list(typing.get_args(tp))}
+    if origin is list:
+        return {"type": "array", "items": _schema(typing.get_args(tp)[0])}
+    if origin is dict:
+        return {"type": "object"}
+    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"}, str: {"type": "string"}}[tp]
+
+
+def json_schema() -> dict:
+    """JSON Schema of the run config (types, enums, no unknown keys); cross-field checks stay in `validate`."""
+    return _schema(RunConfig)

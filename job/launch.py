@@ -1,0 +1,82 @@
+"""The driver: resolve the run, prepare what every worker shares, and start the workers.
+
+Two launchers run the same `train.train_loop`:
+* Ray Train (default): a `TorchTrainer` on the Ray cluster at `RAY_ADDRESS` (inside a RayJob), or on an
+  embedded single-node Ray started here when `RAY_ADDRESS` is unset (laptops, CI).
+* torchrun: `torchrun --nproc-per-node N -m job --config run.yaml` runs the loop in each torchrun process,
+  for benchmarks and debugging without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+import fsspec
+
+from . import config as config_lib
+from . import data as data_lib
+from .train import train_loop
+
+
+def run_directory(cfg: config_lib.RunConfig) -> str:
+    """`<storage_path>/<name>`, with a local storage path made absolute (Ray requires it)."""
+    storage = cfg.storage_path if "://" in cfg.storage_path else os.path.abspath(cfg.storage_path)
+    return f"{storage.rstrip('/')}/{cfg.name}"
+
+
+def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
+    """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
+
+    Returns the workers' `loop_config`, without the launcher name.
+    """
+    fs, path = fsspec.core.url_to_fs(run_dir)
+    fs.makedirs(path, exist_ok=True)
+    with fsspec.open(f"{run_dir}/config.yaml", "w") as f:
+        f.write(config_lib.to_yaml(cfg))
+    loop_config = {"config": config_lib.to_dict(cfg), "run_dir": run_dir}
+    if cfg.model.train_tokenizer_vocab:
+        documents, _ = data_lib.read_documents(cfg.data.train)
+        tokenizer = data_lib.train_bpe_tokenizer(documents, cfg.model.train_tokenizer_vocab)
+        # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
+        if "://" not in run_dir:
+            tokenizer.save_pretrained(os.path.join(run_dir, "tokenizer"))
+        loop_config["tokenizer_json"] = tokenizer.backend_tokenizer.to_str()
+    return loop_config
+
+
+def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> None:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    if not ray.is_initialized():
+        # Inside a RayJob, RAY_ADDRESS points at the cluster; otherwise start an embedded local Ray.
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level="WARNING")
+    storage, name = loop_config["run_dir"].rsplit("/", 1)
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={**loop_config, "launcher": "ray"},
+        scaling_config=ScalingConfig(
+            num_workers=cfg.scaling.num_workers,
+            use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=name, storage_path=storage, failure_config=FailureConfig(max_failures=cfg.scaling.max_failures)
+        ),
+    )
+    trainer.fit()
+
+
+def run_with_torchrun(loop_config: dict) -> None:
+    import torch.distributed as dist
+
+    try:
+        train_loop({**loop_config, "launcher": "torchrun"})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ

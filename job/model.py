@@ -1,0 +1,152 @@
+"""Model: build a Hugging Face causal LM (pretrained or random init), wrap it with its loss, shard it with FSDP2.
+
+`CausalLMWithLoss` is the module FSDP2 shards as its root. Computing the loss inside the root's forward lets
+the (tied) output embedding stay sharded outside forward/backward and lets the loss use a chunked linear
+cross-entropy that never materialises the full fp32 logits (151,936 wide for Qwen2.5).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from .config import ModelConfig, ParallelConfig
+from .data import IGNORE_INDEX
+from .loss import chunked_cross_entropy
+
+PRESETS = {
+    # Qwen2.5-1.5B's architecture (the reference workload); random init, since weights come from a hub.
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # A few million parameters: trains on 2 CPU cores in minutes.
+    "qwen2-tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The configured tokenizer, or None when there is none to load (synthetic data, trained tokenizers)."""
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.path
+    if source is None:
+        return None
+    return AutoTokenizer.from_pretrained(source, revision=cfg.revision, token=os.environ.get("HF_TOKEN"))
+
+
+def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> nn.Module:
+    """The causal LM in fp32 on the current default device: loaded, or seeded random init (same on all ranks).
+
+    `vocab_size` (from a trained tokenizer) resizes a preset's vocabulary.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    token = os.environ.get("HF_TOKEN")
+    common = dict(attn_implementation=cfg.attn_implementation, dtype=torch.float32)
+    if cfg.init == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.path, revision=cfg.revision, token=token, **cfg.overrides, **common
+        )
+    if cfg.preset is not None:
+        arch = {**PRESETS[cfg.preset], **({"vocab_size": vocab_size} if vocab_size else {})}
+        hf_config = Qwen2Config(**arch, **cfg.overrides)
+    else:
+        hf_config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, token=token, **cfg.overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config, **common)
+
+
+class CausalLMWithLoss(nn.Module):
+    """A causal LM whose forward returns (sum of token losses, number of target tokens).
+
+    Returning the sum lets the caller normalise by the token count of the whole global batch, so every token
+    weighs the same however tokens fall across micro-batches and ranks.
+    """
+
+    def __init__(self, lm: nn.Module, loss_chunk_size: int = 0):
+        super().__init__()
+        self.lm = lm
+        self.loss_chunk_size = loss_chunk_size
+
+    def forward(self, input_ids, labels=None, position_ids=None, attention_mask=None, max_new_tokens=0):
+        """Training/eval: `(loss_sum, n_targets)`. With `max_new_tokens`: greedy generation instead.
+
+        Generation runs inside this forward so FSDP2 gathers the root parameters for it. All ranks must
+        generate together with the same `max_new_tokens`; EOS does not stop generation, so every rank runs the
+        same number of forward passes (and collectives). Callers cut the output at EOS.
+        """
+        if max_new_tokens:
+            return self.lm.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=self.lm.config.pad_token_id or 0,
+            )
+        hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        hidden, labels = hidden.flatten(0, 1), labels.flatten()
+        head = self.lm.get_output_embeddings()
+        if self.loss_chunk_size:
+            return chunked_cross_entropy(hidden, head.weight, labels, self.loss_chunk_size)
+        logits = head(hidden).float()
+        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    layers = getattr(lm.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"model: {type(lm).__name__} has no base_model.layers; parallelize() needs decoder layers")
+    return layers
+
+
+def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, bf16: bool) -> CausalLMWithLoss:
+    """Applies FSDP2: `fully_shard` on each decoder layer, then on the root (embeddings, final norm, head).
+
+    Per layer, in order: activation checkpointing (recompute in backward), `torch.compile` (one compiled
+    graph per layer: the layers are identical, so it compiles once), then sharding. With bf16, parameters are
+    gathered and computed in bf16 while gradients are reduced in fp32 and the sharded master weights and
+    optimizer state stay fp32.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    shard_args = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    if cfg.cpu_offload:
+        shard_args["offload_policy"] = CPUOffloadPolicy()
+    layers = decoder_layers(model.lm)
+    for i, layer in enumerate(layers):
+        if cfg.activation_checkpointing:
+            layer = checkpoint_wrapper(layer)
+        if cfg.compile:
+            layer = torch.compile(layer)
+        fully_shard(layer, **shard_args)
+        layers[i] = layer
+    fully_shard(model, **shard_args)
+    return model

@@ -1,0 +1,213 @@
+"""The training loop, run once per worker: the same function under Ray Train and under torchrun.
+
+Read top to bottom: set up the process group and device → tokenizer, data, model → FSDP2 → optimizer and
+schedule → loop (step, log, evaluate) → final evaluation and sample → clean up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from . import config as config_lib
+from . import data as data_lib
+from .metrics import MetricsLogger, flops_per_token, peak_flops
+from .model import CausalLMWithLoss, build_causal_lm, load_tokenizer, parallelize
+
+
+def train_loop(loop_config: dict) -> None:
+    """Entry point of every worker. `loop_config` holds the resolved config dict, the launcher name, the run
+    directory and, when the driver trained one, the tokenizer's JSON."""
+    cfg = config_lib.load_dict(loop_config["config"])
+    run_dir = loop_config["run_dir"]
+    device = _setup_distributed(loop_config["launcher"], cfg.scaling.use_gpu)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
+
+    # ---- Tokenizer and data: every rank builds the same packed blocks, then reads only its shard of them.
+    tokenizer_json = loop_config.get("tokenizer_json")
+    tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
+    dataset = data_lib.build(cfg.data, cfg.train, tokenizer)
+
+    # ---- Model: seeded init on the target device, then FSDP2 shards it (each rank keeps 1/world of it).
+    with torch.device(device):
+        lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
+    arch = lm.config
+    n_params = sum(p.numel() for p in lm.parameters())
+    model = parallelize(
+        CausalLMWithLoss(lm, cfg.train.loss_chunk_size),
+        cfg.parallel,
+        init_device_mesh(device.type, (world,)),
+        bf16,
+    )
+    optimizer, schedule = build_optimizer(model, cfg.train, device)
+
+    # ---- Batches: a pure function of (seed, rank, micro-batch index), so a resumed run sees the same data.
+    accum, mb, seq = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.train.seq_len
+    start_step = 0
+    if dataset.train is None:
+        vocab = cfg.data.synthetic_vocab or arch.vocab_size
+        batches = data_lib.synthetic_batches(vocab, mb, seq, rank, cfg.train.seed, start=start_step * accum)
+    else:
+        batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_step * accum)
+
+    flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
+    peak = peak_flops(device, cfg.logging.peak_flops)
+    logger = MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar) if rank == 0 else None
+    if logger:
+        logger.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
+                    "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
+
+    # Running sums since the last log, kept on the device: reading them (.item()) is the only host sync.
+    loss_sum = torch.zeros((), device=device)
+    target_sum = torch.zeros((), device=device)
+    interval_tokens, interval_start = 0, time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    for step in range(start_step + 1, cfg.train.max_steps + 1):
+        lr = schedule(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro = [next(batches) for _ in range(accum)]
+        # Token-weighted mean over the global batch: FSDP averages gradients over ranks, so each rank scales
+        # its loss sum by world / (targets in the global batch). Counting happens on the host, before transfer.
+        targets = torch.tensor(sum(int((b["labels"] != data_lib.IGNORE_INDEX).sum()) for b in micro), device=device)
+        global_targets = targets.clone()
+        dist.all_reduce(global_targets)
+        for batch in micro:
+            batch = {k: v.to(device, non_blocking=True) if v is not None else None for k, v in batch.items()}
+            step_loss, _ = model(**batch)
+            (step_loss * world / global_targets).backward()
+            loss_sum += step_loss.detach()
+        target_sum += targets
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        interval_tokens += accum * mb * seq
+
+        if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
+            totals = torch.stack([loss_sum, target_sum])
+            dist.all_reduce(totals)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            loss = (totals[0] / totals[1]).item()  # syncs with the device, so the interval below is real
+            elapsed = time.perf_counter() - interval_start
+            tokens_per_s_device = interval_tokens / elapsed
+            if logger:
+                logger.log({
+                    "kind": "train",
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": tokens_per_s_device * world,
+                    "tokens_per_s_per_device": tokens_per_s_device,
+                    "mfu": tokens_per_s_device * flops_tok / peak if peak else None,
+                    "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                })
+            loss_sum.zero_(), target_sum.zero_()
+            interval_tokens, interval_start = 0, time.perf_counter()
+
+        if dataset.validation is not None and (
+            (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps
+        ):
+            eval_loss = evaluate(model, dataset.validation, cfg, rank, world, device)
+            if logger:
+                logger.log({"kind": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
+
+    if cfg.eval.sample_prompt is not None:
+        text = generate_sample(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, device)
+        if logger:
+            logger.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
+    if logger:
+        logger.close()
+    _report({"step": cfg.train.max_steps}, loop_config["launcher"])
+
+
+def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device: torch.device):
+    """AdamW (fused kernels on GPU) with weight decay on matrices only, and the warmup + cosine schedule."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        fused=device.type == "cuda",
+    )
+
+    def schedule(step: int) -> float:
+        """Learning rate at optimizer step `step` (1-based): linear warmup, then cosine down to min_lr_ratio."""
+        if step <= cfg.warmup_steps:
+            return cfg.lr * step / max(1, cfg.warmup_steps)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+    return optimizer, schedule
+
+
+@torch.no_grad()
+def evaluate(model, blocks: data_lib.Blocks, cfg: config_lib.RunConfig, rank: int, world: int, device) -> float:
+    """Mean held-out loss per target token over all ranks.
+
+    Each rank takes the same number of blocks (floor(n / world)), in the same number of micro-batches, so the
+    ranks run the same sequence of FSDP collectives.
+    """
+    per_rank = len(blocks) // world
+    if per_rank == 0:
+        raise data_lib.DataError(f"data.validation_fraction: {len(blocks)} held-out blocks for {world} workers")
+    mine = blocks.select(torch.arange(rank, per_rank * world, world))
+    mb = cfg.train.micro_batch_size
+    n_batches = math.ceil(per_rank / mb)
+    if cfg.eval.max_batches:
+        n_batches = min(n_batches, cfg.eval.max_batches)
+    model.eval()
+    totals = torch.zeros(2, device=device)
+    for i in range(n_batches):
+        b = mine.select(torch.arange(i * mb, min((i + 1) * mb, per_rank)))
+        loss_sum, n = model(input_ids=b.input_ids.to(device), labels=b.labels.to(device),
+                            position_ids=b.position_ids.to(device))
+        totals += torch.stack([loss_sum.float(), n.float()])
+    model.train()
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def generate_sample(model, tokenizer, prompt: str, n_tokens: int, device) -> str:
+    """Greedy continuation of `prompt` (all ranks generate the same; the text is cut at the first EOS)."""
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+    model.eval()
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens)
+    model.train()
+    new = out[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new)
+
+
+def _setup_distributed(launcher: str, use_gpu: bool) -> torch.device:
+    """The worker's device. Ray Train has already created the process group; torchrun leaves it to us."""
+    if launcher == "ray":
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_gpu else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _report(metrics: dict, launcher: str) -> None:
+    if launcher == "ray":
+        import ray.train
+
+        ray.train.report(metrics)
