@@ -51,7 +51,7 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> None:
 
     if not ray.is_initialized():
         # Inside a RayJob, RAY_ADDRESS points at the cluster; otherwise start an embedded local Ray.
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level="WARNING")
+        ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="WARNING")
     storage, name = loop_config["run_dir"].rsplit("/", 1)
     trainer = TorchTrainer(
         train_loop,
