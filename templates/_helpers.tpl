@@ -1,0 +1,285 @@
+{{/* Chart name, overridable. */}}
+{{- define "ray-finetune.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Object name prefix. Truncated to 38 characters: the RayJob appends "-" and an 8-character content hash and
+KubeRay caps RayJob names at 47 (its RayCluster, Services and Pods derive their names from it).
+*/}}
+{{- define "ray-finetune.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 38 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 38 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 38 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Chart label value. */}}
+{{- define "ray-finetune.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Common labels. */}}
+{{- define "ray-finetune.labels" -}}
+helm.sh/chart: {{ include "ray-finetune.chart" . }}
+{{ include "ray-finetune.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels. */}}
+{{- define "ray-finetune.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ray-finetune.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Image reference: repository@digest when a digest is given, else repository:tag. */}}
+{{- define "ray-finetune.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag }}
+{{- end }}
+{{- end }}
+
+{{/* The job package files shipped by the chart (ConfigMap data). */}}
+{{- define "ray-finetune.jobFiles" -}}
+{{- $files := .Files.Glob "job/*" }}
+{{- if not $files }}
+{{- fail "the chart has no job/ package files: package the chart from the repository root" }}
+{{- end }}
+{{- $files.AsConfig }}
+{{- end }}
+
+{{/* Mount points in every Ray pod: the job package at <jobRoot>/job (on PYTHONPATH), the run config file. */}}
+{{- define "ray-finetune.jobRoot" -}}/opt/job{{- end }}
+{{- define "ray-finetune.runConfigDir" -}}/etc/job{{- end }}
+{{- define "ray-finetune.runConfigPath" -}}{{ include "ray-finetune.runConfigDir" . }}/run.yaml{{- end }}
+
+{{/*
+RayJob name: the name prefix plus a hash of the values and the job code. A `helm upgrade` that changes
+either replaces the RayJob (KubeRay does not re-run an updated RayJob); the run name stays, so the new
+RayJob resumes the same run from its latest checkpoint.
+*/}}
+{{- define "ray-finetune.rayJobName" -}}
+{{- $content := printf "%s\n%s" (toYaml .Values) (include "ray-finetune.jobFiles" .) }}
+{{- printf "%s-%s" (include "ray-finetune.fullname" .) ($content | sha256sum | trunc 8) }}
+{{- end }}
+
+{{/* Name of the run: run.name, else the release name. */}}
+{{- define "ray-finetune.runName" -}}
+{{- .Values.run.name | default .Release.Name }}
+{{- end }}
+
+{{/* Name of the runs PersistentVolumeClaim, or empty when runs go to an object store. */}}
+{{- define "ray-finetune.claimName" -}}
+{{- $storage := .Values.storage }}
+{{- if and $storage.uri $storage.existingClaim }}
+{{- fail "storage.uri and storage.existingClaim are mutually exclusive: runs go either to an object store or to a volume" }}
+{{- end }}
+{{- if $storage.existingClaim }}
+{{- $storage.existingClaim }}
+{{- else if not $storage.uri }}
+{{- include "ray-finetune.fullname" . }}-runs
+{{- end }}
+{{- end }}
+
+{{/* run.storage_path: the object-store URI, or the claim's mount path. */}}
+{{- define "ray-finetune.storagePath" -}}
+{{- if include "ray-finetune.claimName" . }}
+{{- .Values.storage.mountPath }}
+{{- else }}
+{{- .Values.storage.uri }}
+{{- end }}
+{{- end }}
+
+{{/* CPU quantity ("4", 4, "500m") as a number of cores. */}}
+{{- define "ray-finetune.cpuCores" -}}
+{{- $cpu := toString . }}
+{{- if hasSuffix "m" $cpu }}
+{{- divf (trimSuffix "m" $cpu | float64) 1000 }}
+{{- else }}
+{{- float64 $cpu }}
+{{- end }}
+{{- end }}
+
+{{/*
+run.scaling values derived from the worker groups (YAML): with GPUs one training worker per GPU, without one
+per pod; each worker reserves the smallest cpu / gpus (or cpu) of any group, so it fits on every group.
+*/}}
+{{- define "ray-finetune.derivedScaling" -}}
+{{- $groups := .Values.workerGroups }}
+{{- if not $groups }}
+{{- fail "workerGroups: at least one worker group is required" }}
+{{- end }}
+{{- $useGpu := false }}
+{{- range $name, $group := $groups }}
+{{- if gt (int $group.gpus) 0 }}{{ $useGpu = true }}{{ end }}
+{{- end }}
+{{- $numWorkers := 0 }}
+{{- $cpusPerWorker := -1.0 }}
+{{- range $name, $group := $groups }}
+{{- if ne (gt (int $group.gpus) 0) $useGpu }}
+{{- fail (printf "workerGroups.%s.gpus: %d, but other worker groups %s GPUs: training workers must be alike (all GPU or all CPU)" $name (int $group.gpus) (ternary "have" "have no" $useGpu)) }}
+{{- end }}
+{{- $perPod := ternary (int $group.gpus) 1 $useGpu }}
+{{- $numWorkers = add $numWorkers (mul (int $group.replicas) $perPod) }}
+{{- $cpus := divf (include "ray-finetune.cpuCores" $group.cpu) $perPod }}
+{{- if or (lt $cpusPerWorker 0.0) (lt $cpus $cpusPerWorker) }}{{ $cpusPerWorker = $cpus }}{{ end }}
+{{- end }}
+num_workers: {{ $numWorkers }}
+use_gpu: {{ $useGpu }}
+cpus_per_worker: {{ $cpusPerWorker }}
+{{- end }}
+
+{{/*
+The run config (YAML): .Values.run plus what the chart derives. A value the user set that contradicts a
+derived one fails, naming both.
+*/}}
+{{- define "ray-finetune.runConfig" -}}
+{{- $run := deepCopy .Values.run }}
+{{- $_ := set $run "name" (include "ray-finetune.runName" .) }}
+{{- $storagePath := include "ray-finetune.storagePath" . }}
+{{- if and (hasKey $run "storage_path") (ne (toString $run.storage_path) $storagePath) }}
+{{- fail (printf "run.storage_path: %q contradicts the storage values (%q): set storage.uri, storage.existingClaim or storage.mountPath instead" (toString $run.storage_path) $storagePath) }}
+{{- end }}
+{{- $_ := set $run "storage_path" $storagePath }}
+{{- $scaling := $run.scaling | default dict }}
+{{- range $key, $derived := include "ray-finetune.derivedScaling" . | fromYaml }}
+{{- if and (hasKey $scaling $key) (ne (toString (index $scaling $key)) (toString $derived)) }}
+{{- fail (printf "run.scaling.%s: %v contradicts the worker groups, which give %v: change workerGroups (replicas, gpus, cpu) or drop run.scaling.%s" $key (index $scaling $key) $derived $key) }}
+{{- end }}
+{{- $_ := set $scaling $key $derived }}
+{{- end }}
+{{- $_ := set $run "scaling" $scaling }}
+{{- $data := $run.data | default dict }}
+{{- if and (ne (toString ($data.format | default "synthetic")) "synthetic") (not $data.train) }}
+{{- fail (printf "run.data.train: required with run.data.format: %s (a dataset path in the pods, e.g. under storage.mountPath)" $data.format) }}
+{{- end }}
+{{- toYaml $run }}
+{{- end }}
+
+{{/* Environment of every Ray container (EnvVar list, YAML). */}}
+{{- define "ray-finetune.env" -}}
+- name: PYTHONPATH
+  value: {{ include "ray-finetune.jobRoot" . }}
+- name: JOB_CHART
+  value: {{ .Chart.Name }}
+- name: JOB_CHART_VERSION
+  value: {{ .Chart.Version | quote }}
+- name: JOB_RELEASE
+  value: {{ .Release.Name }}
+- name: JOB_VALUES_SHA256
+  value: {{ toYaml .Values | sha256sum }}
+- name: JOB_IMAGE
+  value: {{ include "ray-finetune.image" . }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+{{- with .Values.huggingface.existingSecret }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.huggingface.tokenKey }}
+{{- end }}
+{{- if .Values.efa.enabled }}
+{{- range $name, $value := .Values.efa.env }}
+- name: {{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Description of the Ray cluster for the raylib library (YAML, see charts/raylib). */}}
+{{- define "ray-finetune.cluster" -}}
+{{- if and .Values.efa.enabled (lt (int .Values.efa.devicesPerPod) 1) }}
+{{- fail "efa.devicesPerPod: must be >= 1 when efa.enabled is true (EFA on with no EFA devices)" }}
+{{- end }}
+{{- $claimName := include "ray-finetune.claimName" . }}
+rayVersion: {{ .Values.rayVersion | quote }}
+pod:
+  image: {{ include "ray-finetune.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- range . }}
+    - name: {{ . }}
+    {{- end }}
+  {{- end }}
+  serviceAccountName: {{ include "ray-finetune.fullname" . }}
+  labels:
+    {{- include "ray-finetune.selectorLabels" . | nindent 4 }}
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/job: {{ include "ray-finetune.jobFiles" . | sha256sum }}
+    checksum/config: {{ include "ray-finetune.runConfig" . | sha256sum }}
+    {{- with .Values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  env:
+    {{- include "ray-finetune.env" . | nindent 4 }}
+  {{- with .Values.storage.existingSecret }}
+  envFrom:
+    - secretRef:
+        name: {{ . }}
+  {{- end }}
+  volumes:
+    - name: job-code
+      configMap:
+        name: {{ include "ray-finetune.fullname" . }}-job
+    - name: run-config
+      configMap:
+        name: {{ include "ray-finetune.fullname" . }}-run
+    {{- with $claimName }}
+    - name: runs
+      persistentVolumeClaim:
+        claimName: {{ . }}
+    {{- end }}
+  volumeMounts:
+    - name: job-code
+      mountPath: {{ include "ray-finetune.jobRoot" . }}/job
+      readOnly: true
+    - name: run-config
+      mountPath: {{ include "ray-finetune.runConfigDir" . }}
+      readOnly: true
+    {{- if $claimName }}
+    - name: runs
+      mountPath: {{ .Values.storage.mountPath }}
+    {{- end }}
+  shmSizeLimit: {{ .Values.shm.sizeLimit }}
+  podSecurityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+head:
+  valuesPath: head
+  labels:
+    app.kubernetes.io/component: ray-head
+  {{- toYaml .Values.head | nindent 2 }}
+workerGroups:
+  {{- range $name, $group := .Values.workerGroups }}
+  {{ $name }}:
+    valuesPath: workerGroups.{{ $name }}
+    labels:
+      app.kubernetes.io/component: ray-worker
+    {{- toYaml $group | nindent 4 }}
+    {{- if $.Values.efa.enabled }}
+    extendedResources:
+      vpc.amazonaws.com/efa: {{ int $.Values.efa.devicesPerPod }}
+    {{- end }}
+  {{- end }}
+{{- end }}
