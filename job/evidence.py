@@ -264,8 +264,6 @@ def parse_nccl_transport(log_text: str) -> dict:
     nodes = local_ranks = None
 
     for raw in log_text.splitlines():
-        if "NCCL" not in raw and "Channel" not in raw:
-            continue
         level, msg = _message(raw)
         if level == "WARN":
             if len(result["warnings"]) < 10:
@@ -909,6 +907,7 @@ def check_expectations(result: dict, expect) -> list[str]:
         not a single-node run sends anything over it.
       - ``nvlink`` / ``nvls`` / ``p2p`` / ``shm``: every rank that shares its node with
         another rank must list it in ``intra_node``.
+      - ``gloo``: every rank's process group must be gloo (CPU runs).
     * ``expect.min_busbw_gbps``: the all-ranks all_reduce busbw at the largest size (GB/s,
       nccl-tests units) must reach it.
 
@@ -960,9 +959,18 @@ def check_expectations(result: dict, expect) -> list[str]:
                 why = f" ({reason})" if reason else ""
                 failures.append(f"preflight.expect.transport: expected {wanted}, {backend} used {what} "
                                 f"within the node on ranks {_ranks_text(ranks)}{why}")
+        elif wanted == "gloo":
+            others: dict[str, list[int]] = {}
+            for w in workers:
+                backend = (w.get("transport") or {}).get("backend") or result.get("backend")
+                if backend != "gloo":
+                    others.setdefault(str(backend), []).append(w["rank"])
+            for backend, ranks in others.items():
+                failures.append(f"preflight.expect.transport: expected gloo, the process group uses "
+                                f"{backend} on ranks {_ranks_text(ranks)}")
         else:
             failures.append(f"preflight.expect.transport: unknown value {wanted!r} "
-                            f"(one of {', '.join(NET_KINDS + INTRA_KINDS)})")
+                            f"(one of {', '.join(NET_KINDS + INTRA_KINDS + ('gloo',))})")
     floor = exp["min_busbw_gbps"]
     if floor is not None:
         rows = (result.get("all_ranks") or {}).get("all_reduce") or []

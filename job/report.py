@@ -1,0 +1,269 @@
+"""Run report: ``python -m job report RUN_DIR [--out DIR] [--no-plots]``.
+
+Reads ``run.json`` (the run record, see ``evidence.py``) and ``metrics.jsonl`` from the run
+directory (local or ``s3://``) and writes, into ``--out`` (default: the run directory when it
+is local, else ``./<run name>-report``):
+
+* ``report.md``  -- name, status, config highlights, data fingerprint, hardware and transport,
+  preflight bandwidth, final/best eval loss, throughput, MFU, task evals, plots;
+* ``loss.png``, ``throughput.png``, ``mfu.png`` -- when the metrics have those series.
+
+Plotting needs matplotlib (an optional extra). It is imported only when plots are drawn; if it
+is missing, report.md is still written and the command says how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from . import evidence
+
+#: Config keys worth showing first (matched against the last part of the dotted path).
+_HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
+                    "epochs", "seed", "precision", "dtype", "source", "format", "shard", "warmup")
+
+
+class ReportError(RuntimeError):
+    """A report cannot be produced (missing inputs or plotting library)."""
+
+
+def load_pyplot():
+    """Import matplotlib with the file-only Agg backend; ``ReportError`` with the fix if missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ReportError(f"plots need matplotlib ({exc}); install it with `pip install matplotlib` "
+                          f"or rerun with --no-plots") from None
+    return plt
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _pct(value: Any) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value * 100:.1f}%"
+
+
+def _duration(seconds: Any) -> str:
+    if not isinstance(seconds, (int, float)):
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h {s % 3600 // 60}m {s % 60}s" if s >= 3600 else f"{s // 60}m {s % 60}s"
+
+
+def config_highlights(config: dict, limit: int = 16) -> list[tuple[str, Any]]:
+    """Leaf values of the config whose key looks important (model, lr, batch, steps, ...)."""
+    flat = evidence._flatten(config or {})
+    chosen = [(k, v) for k, v in flat.items()
+              if any(w in k.rsplit(".", 1)[-1].lower() for w in _HIGHLIGHT_WORDS)]
+    if not chosen:
+        chosen = list(flat.items())
+    return chosen[:limit]
+
+
+def plot_metrics(rows: list[dict], out_dir: str) -> list[str]:
+    """Draw loss / throughput / MFU plots from metrics rows; return the written file names."""
+    plt = load_pyplot()
+    train = sorted((r for r in rows if r.get("kind") == "train" and "step" in r), key=lambda r: r["step"])
+    evals = sorted((r for r in rows if r.get("kind") == "eval" and r.get("eval_loss") is not None),
+                   key=lambda r: r["step"])
+
+    def series(items, key):
+        pts = [(r["step"], r[key]) for r in items if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name), dpi=100)
+        plt.close(fig)
+        written.append(name)
+
+    sx, sy = series(train, "loss")
+    ex, ey = series(evals, "eval_loss")
+    if sx or ex:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if sx:
+            ax.plot(sx, sy, label="train loss", linewidth=1)
+        if ex:
+            ax.plot(ex, ey, "o-", label="eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title("Loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, "loss.png")
+
+    tx, ty = series(train, "tokens_per_s_per_device")
+    if tx:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(tx, ty, linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("tokens/s per device")
+        ax.set_title("Throughput")
+        ax.grid(alpha=0.3)
+        save(fig, "throughput.png")
+
+    mx, my = series(train, "mfu")
+    if mx:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(mx, [v * 100 for v in my], linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("MFU (%)")
+        ax.set_title("Model FLOPs utilisation")
+        ax.grid(alpha=0.3)
+        save(fig, "mfu.png")
+    return written
+
+
+def render_markdown(record: dict | None, summary: dict, plots: list[str], notes: list[str]) -> str:
+    """The text of report.md."""
+    rec = record or {}
+    name = rec.get("run_name") or "(no run.json)"
+    lines = [f"# Run report: {name}", ""]
+    chart = rec.get("chart") or {}
+    image = rec.get("image") or {}
+    digest = image.get("digest", "unknown")
+    if digest == "unknown" and image.get("reason"):
+        digest += f" ({image['reason']})"
+    rows = [
+        ("Status", rec.get("status", "-") + (f" — {rec['error']}" if rec.get("error") else "")),
+        ("Started", rec.get("started_at")),
+        ("Ended", rec.get("ended_at")),
+        ("Duration", _duration(rec.get("duration_s"))),
+        ("Image", f"{image.get('reference', '-')} @ {digest}"),
+        ("Chart", f"{chart.get('name', '-')} {chart.get('version', '')} (release {chart.get('release', '-')})"),
+        ("Job package", (rec.get("job") or {}).get("version")),
+        ("Config sha256", rec.get("config_sha256")),
+        ("Seed", rec.get("seed")),
+    ]
+    lines += ["| | |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows] + [""]
+
+    lines += ["## Config highlights", ""]
+    highlights = config_highlights(rec.get("config") or {})
+    lines += [f"- `{k}`: {_fmt(v)}" for k, v in highlights] or ["- (no config recorded)"]
+    lines.append("")
+
+    data = rec.get("data") or {}
+    lines += ["## Data", "", f"- tokenizer sha256: {_fmt(data.get('tokenizer_sha256'))}"]
+    fingerprint = evidence._flatten(data.get("fingerprint") or {})
+    lines += [f"- `{k}`: {_fmt(v)}" for k, v in fingerprint.items()] or ["- fingerprint: -"]
+    lines.append("")
+
+    hw = rec.get("hardware") or {}
+    transport = rec.get("transport") or {}
+    accels = ", ".join(f"{n} x {name}" for name, n in (hw.get("accelerators") or {}).items()) or "-"
+    lines += ["## Hardware and transport", "",
+              f"- nodes: {_fmt(hw.get('nodes'))}, world size: {_fmt(hw.get('world_size'))}",
+              f"- accelerators: {accels}",
+              f"- driver: {', '.join(hw.get('driver_versions') or ['-'])}; CUDA {_fmt(hw.get('cuda_version'))}; "
+              f"NCCL {_fmt(hw.get('nccl_version'))}",
+              f"- transport: {transport.get('summary', '-')}"
+              + (f" ({transport['reason']})" if transport.get("reason") else "")]
+    pre = rec.get("preflight")
+    if pre:
+        for op in ("all_reduce", "all_gather"):
+            bench = (pre.get("all_ranks") or {}).get(op) or []
+            if bench:
+                top = max(bench, key=lambda r: r["size_bytes"])
+                lines.append(f"- preflight {op}: busbw {top['busbw_gbps']:.3g} GB/s, algbw {top['algbw_gbps']:.3g} GB/s "
+                             f"at {top['size_bytes'] / 2**20:g} MiB over {pre.get('world_size')} ranks")
+        if pre.get("failures"):
+            lines += [f"- preflight FAILED: {f}" for f in pre["failures"]]
+    lines.append("")
+
+    m = summary
+    best = _fmt(m.get("best_eval_loss")) + (f" (step {m['best_eval_step']})" if m.get("best_eval_step") is not None else "")
+    lines += ["## Results", "", "| metric | value |", "|---|---|",
+              f"| steps | {_fmt(m.get('steps'))} |",
+              f"| final train loss | {_fmt(m.get('final_train_loss'))} |",
+              f"| final eval loss | {_fmt(m.get('final_eval_loss'))} |",
+              f"| best eval loss | {best} |",
+              f"| tokens/s (all devices) | {_fmt(m.get('tokens_per_s'))} |",
+              f"| tokens/s per device | {_fmt(m.get('tokens_per_s_per_device'))} |",
+              f"| MFU | {_pct(m.get('mfu'))} |",
+              f"| peak memory (GiB) | {_fmt(m.get('peak_mem_gib'))} |",
+              "", "Throughput and MFU: medians over the second half of the train steps.", ""]
+    tasks = m.get("task_eval") or {}
+    if tasks:
+        lines += ["## Task evaluation", "", "| task | step | exact match | n |", "|---|---|---|---|"]
+        lines += [f"| {t} | {_fmt(v.get('step'))} | {_fmt(v.get('exact_match'))} | {_fmt(v.get('n'))} |"
+                  for t, v in tasks.items()]
+        lines.append("")
+    if rec.get("evaluation"):
+        lines += ["## Evaluation (from the run record)", "", "```json",
+                  json.dumps(rec["evaluation"], indent=2, default=str), "```", ""]
+    outputs = [("checkpoints", rec.get("checkpoints")), ("export", rec.get("export"))]
+    if any(v for _, v in outputs):
+        lines += ["## Outputs", ""] + [f"- {k}: {json.dumps(v, default=str)}" for k, v in outputs if v] + [""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m job report RUN_DIR [--out DIR] [--no-plots]``; ``argv`` excludes "report".
+
+    Exit status: 0 report written, 1 report.md written but plots failed (matplotlib missing),
+    2 bad input (no run.json and no metrics.jsonl in RUN_DIR).
+    """
+    parser = argparse.ArgumentParser(prog="python -m job report", description="Write report.md and plots for a run.")
+    parser.add_argument("run_dir", help="run directory (local or s3://) with run.json and metrics.jsonl")
+    parser.add_argument("--out", help="output directory (default: RUN_DIR if local, else ./<run name>-report)")
+    parser.add_argument("--no-plots", action="store_true", help="write report.md only")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return 2 if exc.code else 0
+
+    notes: list[str] = []
+    try:
+        record = evidence.load_record(args.run_dir)
+    except FileNotFoundError as exc:
+        record = None
+        notes.append(str(exc))
+    except (OSError, ValueError) as exc:
+        print(f"report: cannot read run.json in {args.run_dir}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rows = evidence.read_metrics(args.run_dir)
+    except FileNotFoundError:
+        rows = []
+        notes.append(f"no {evidence.METRICS_FILE} in {args.run_dir}")
+    if record is None and not rows:
+        print(f"report: {args.run_dir} has neither run.json nor {evidence.METRICS_FILE}", file=sys.stderr)
+        return 2
+
+    summary = evidence.summarize_metrics(rows) if rows else ((record or {}).get("metrics") or {})
+    name = (record or {}).get("run_name") or os.path.basename(args.run_dir.rstrip("/"))
+    out = args.out or (f"./{name}-report" if evidence._is_remote(args.run_dir) else args.run_dir)
+    os.makedirs(out, exist_ok=True)
+
+    plots: list[str] = []
+    status = 0
+    if not args.no_plots and rows:
+        try:
+            plots = plot_metrics(rows, out)
+        except ReportError as exc:
+            notes.append(str(exc))
+            print(f"report: {exc}", file=sys.stderr)
+            status = 1
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
+        f.write(render_markdown(record, summary, plots, notes))
+    print(f"report: wrote {os.path.join(out, 'report.md')}" + (f" and {', '.join(plots)}" if plots else ""))
+    return status
