@@ -286,11 +286,11 @@ def parse_nccl_transport(log_text: str) -> dict:
             if m.group(1) not in ofi_nics:
                 ofi_nics.append(m.group(1))
         elif m := _RE_IB_USING.search(msg):
-            ib_line = ib_line or msg
-            for dev in _RE_DEVICE_TOKEN.findall(m.group(1)):
-                if dev not in ib_devices:
-                    ib_devices.append(dev)
-            keep(msg)
+            devices = _RE_DEVICE_TOKEN.findall(m.group(1))
+            if devices:  # NCCL >= 2.28 prints "NET/IB : Using [RO]; OOB .." even with no HCA
+                ib_line = ib_line or msg
+                ib_devices.extend(d for d in devices if d not in ib_devices)
+                keep(msg)
         elif m := _RE_SOCKET_USING.search(msg):
             socket_line = socket_line or msg
             for dev in _RE_DEVICE_TOKEN.findall(m.group(1)):
@@ -957,6 +957,7 @@ def check_expectations(result: dict, expect) -> list[str]:
             for (backend, got, reason), ranks in missing.items():
                 what = ",".join(got) if got else "no intra-node path"
                 why = f" ({reason})" if reason else ""
+                backend = "NCCL" if backend == "nccl" else backend
                 failures.append(f"preflight.expect.transport: expected {wanted}, {backend} used {what} "
                                 f"within the node on ranks {_ranks_text(ranks)}{why}")
         elif wanted == "gloo":

@@ -43,6 +43,11 @@ EXPECTED = {
     # Single node: NCCL still selects a network (Socket here) but no channel goes through it.
     "nvlink": dict(net="socket", net_used=False, nccl_version="2.27.3+cuda12.9", intra_node=["nvlink", "p2p"],
                    p2p_modes=["P2P/CUMEM/read"], nodes=1, local_ranks=8, gdrdma=False),
+    # Real NCCL 2.28.9 on 2x H200: Hopper P2P has no "/read", so NVLink shows only in GRAPH lines;
+    # "NET/IB : Using [RO]" is printed although IB failed to initialise.
+    "h200_nvlink_real": dict(net="socket", net_plugin="Socket", net_used=False, nccl_version="2.28.9+cuda13.0",
+                             net_devices=["eth0:192.0.2.2"], intra_node=["nvlink", "p2p"], p2p_modes=["P2P/CUMEM"],
+                             nodes=1, local_ranks=2, net_line="NET/Socket : Using [0]eth0:192.0.2.2<0>"),
 }
 
 
@@ -56,6 +61,7 @@ def test_parse_fixture(name):
     # Evidence lines are the messages without the host:pid:tid prefix, and include the version line.
     assert any(line.startswith("NCCL version") for line in result["lines"])
     assert not any("NCCL INFO" in line for line in result["lines"])
+    assert not any(line.startswith("NET/IB : Using [RO]") for line in result["lines"])
 
 
 def test_parse_roce_plugin_and_old_formats():

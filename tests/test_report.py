@@ -1,0 +1,89 @@
+"""Tests of job/report.py: report.md and PNG plots from a fake run directory."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from job import evidence, report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_run(run_dir: Path, monkeypatch, with_record=True):
+    for var in ("JOB_CHART", "JOB_IMAGE", "KUBERNETES_SERVICE_HOST", "POD_NAME", "POD_NAMESPACE"):
+        monkeypatch.delenv(var, raising=False)
+    run_dir.mkdir(parents=True)
+    rows = [{"kind": "start", "params": 1000, "world_size": 2}]
+    for step in range(1, 21):
+        rows.append({"kind": "train", "step": step, "loss": 4.0 - 0.1 * step, "lr": 1e-4, "grad_norm": 0.9,
+                     "tokens_per_s": 4000.0 + step, "tokens_per_s_per_device": 2000.0 + step / 2,
+                     "mfu": 0.30 + step / 1000, "peak_mem_gib": 12.5})
+        if step % 10 == 0:
+            rows.append({"kind": "eval", "step": step, "eval_loss": {10: 3.25, 20: 3.5}[step], "eval_ppl": 26.0})
+    rows.append({"kind": "task_eval", "step": 20, "task": "arithmetic", "exact_match": 0.75, "n": 40})
+    rows.append({"kind": "sample", "step": 20, "prompt": "hi", "text": "hello"})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if with_record:
+        config = {"model": {"name_or_path": "tiny-llama"}, "train": {"lr": 1e-4, "max_steps": 20, "seed": 7},
+                  "unrelated": {"x": 1}}
+        rec = evidence.start_record(str(run_dir), config=config, config_text="model: ...\n", seed=7,
+                                    pods=[{"digest": "unknown", "reason": "not running in Kubernetes"}], env={})
+        evidence.finish_record(str(run_dir), rec, dataset={"source": "shared/data/tiny.jsonl", "rows": 128},
+                               tokenizer_sha256="ab" * 32, checkpoints={"dir": str(run_dir / "checkpoints")})
+
+
+def test_report_writes_markdown_and_pngs(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    run_dir, out = tmp_path / "runs" / "demo", tmp_path / "out"
+    _fake_run(run_dir, monkeypatch)
+    assert report.main([str(run_dir), "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert text.startswith("# Run report: demo\n")
+    assert "| Status | succeeded |" in text
+    assert "- `model.name_or_path`: tiny-llama" in text and "- `train.lr`: 0.0001" in text
+    assert "unrelated" not in text  # only highlights
+    assert "- `source`: shared/data/tiny.jsonl" in text and "tokenizer sha256: " + "ab" * 32 in text
+    assert "| final eval loss | 3.5 |" in text and "| best eval loss | 3.25 (step 10) |" in text
+    assert "| tokens/s per device | 2008 |" in text  # median of steps 11..20
+    assert "| MFU | 31.6% |" in text and "| peak memory (GiB) | 12.5 |" in text
+    assert "| arithmetic | 20 | 0.75 | 40 |" in text
+    assert "not running in Kubernetes" in text
+    plots = ["loss.png", "throughput.png", "mfu.png"]
+    for name in plots:
+        assert f"![{name[:-4]}]({name})" in text
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+        pixels = matplotlib.image.imread(out / name)
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+        assert pixels.std() > 0  # something was drawn
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_report_defaults_to_run_dir_and_handles_missing_inputs(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "metrics-only"
+    _fake_run(run_dir, monkeypatch, with_record=False)
+    assert report.main([str(run_dir), "--no-plots"]) == 0
+    text = (run_dir / "report.md").read_text()
+    assert "# Run report: (no run.json)" in text and f"no run.json at {run_dir / 'run.json'}" in text
+    assert "| final eval loss | 3.5 |" in text and not list(run_dir.glob("*.png"))
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main([str(empty)]) == 2
+    assert "has neither run.json nor metrics.jsonl" in capsys.readouterr().err
+
+
+def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    _fake_run(run_dir, monkeypatch, with_record=False)
+    # A None entry in sys.modules makes `import matplotlib` raise ImportError.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    assert report.main([str(run_dir)]) == 1
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert "pip install matplotlib" in (run_dir / "report.md").read_text()
+    assert not list(run_dir.glob("*.png"))
