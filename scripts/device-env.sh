@@ -1,0 +1,68 @@
+# Source at the start of every command on the GPU device machine (repo root, `carry: [".whl"]`):
+#   source scripts/device-env.sh || exit 1
+# Installs the carried wheels (.whl/, made by scripts/device-wheels.sh) into /tmp/site, puts
+# them and the repo on PYTHONPATH, and turns NVLink multicast off. See docs/device.md.
+
+# NVLink multicast must stay off in every process on the shared host (NCCL, PyTorch
+# symmetric memory, NVSHMEM): a program that uses it can take the host's GPUs out of
+# service. Exported here so that every child inherits them, Ray workers included (Ray
+# started locally by ray.init() in this shell passes the driver's environment on).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if [ ! -d .whl ] || ! ls .whl/*.whl >/dev/null 2>&1; then
+  echo "device-env: no .whl/*.whl here (run scripts/device-wheels.sh, carry .whl)" >&2
+  return 1 2>/dev/null || exit 1
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || { echo "device-env: wheel install failed" >&2; return 1 2>/dev/null || exit 1; }
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+
+# Report (not fail on) any unmet runtime requirement of what we carried and rely on,
+# checked against the versions the image actually has.
+python3 - <<'EOF' || true
+from importlib.metadata import distribution, version, PackageNotFoundError
+from packaging.requirements import Requirement
+want = {"ray": {"train"}, "datasets": set(), "pydantic": set(), "pydantic-core": set(),
+        "jsonschema": set(), "referencing": set(), "multiprocess": set(),
+        "tensorboardX": set(), "transformers": {"torch"}, "accelerate": set()}
+bad = []
+for name, extras in want.items():
+    try:
+        reqs = distribution(name).requires or []
+    except PackageNotFoundError:
+        bad.append(f"{name}: not installed"); continue
+    for r in map(Requirement, reqs):
+        if r.marker and not any(r.marker.evaluate({"extra": e}) for e in extras | {""}):
+            continue
+        try:
+            v = version(r.name)
+        except PackageNotFoundError:
+            bad.append(f"{name} needs {r}: missing"); continue
+        if r.specifier and not r.specifier.contains(v, prereleases=True):
+            bad.append(f"{name} needs {r}: have {v}")
+print("device-env: requirements " + ("OK" if not bad else "UNMET:\n  " + "\n  ".join(bad)))
+EOF
+
+# Smoke test, run on demand: `device_ray_check [num_workers]`. Starts Ray locally, runs a Ray
+# Train V2 TorchTrainer with one worker per GPU (gloo on CPU-only hosts), all-reduces
+# rank+1 over NCCL and prints, per worker, the sum (= n(n+1)/2) and the NVLink-multicast
+# variables as the worker sees them. Lines start with RESULT.
+device_ray_check() {
+  RAY_TRAIN_V2_ENABLED=1 python3 - "${1:-2}" <<'EOF'
+import os, sys, ray, torch, torch.distributed as dist
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+n, gpu = int(sys.argv[1]), torch.cuda.is_available()
+def work():
+    r = dist.get_rank(); dev = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
+    t = torch.full((4,), float(r + 1), device=dev); dist.all_reduce(t); torch.cuda.synchronize() if gpu else None
+    env = {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")}
+    print(f"RESULT rank={r} backend={dist.get_backend()} dev={dev} allreduce={t.tolist()} env={env}", flush=True)
+ray.init(include_dashboard=False)
+res = TorchTrainer(work, scaling_config=ScalingConfig(num_workers=n, use_gpu=gpu),
+                   run_config=RunConfig(storage_path="/tmp/ray_results")).fit()
+print(f"RESULT TorchTrainer(num_workers={n}, use_gpu={gpu}) finished, error={res.error}", flush=True)
+ray.shutdown()
+EOF
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Download the Python wheels the GPU device machine lacks into .whl/ (git-ignored).
+#
+# The device image ('cuda', Python 3.12, torch 2.11 CUDA, transformers 5.x, accelerate,
+# pyarrow, pandas, fsspec, pyyaml, ... see the device KINDS.md package list) has neither
+# ray nor datasets. This fetches ray==2.60.0, datasets==5.2.0 and exactly those of their
+# runtime dependencies (ray core + the `train` extra, datasets without extras) that the
+# image does not have, for cp312 manylinux x86_64, one version each (two versions of one
+# package stop the install). The ray wheel is then rebuilt without ray/jars/ (Java
+# worker, ~31 MiB) and *.js.map (dashboard source maps) so that everything carried to the
+# device stays under its 64 MiB limit. See docs/device.md.
+#
+# Usage (repo root, on the dev machine, needs PyPI):  bash scripts/device-wheels.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+DEST=.whl
+
+# Missing on the device, by who needs it (versions match the repo's .venv, which pip
+# resolved for requirements.txt):
+#   ray core:      jsonschema -> jsonschema-specifications, referencing, rpds-py
+#   ray[train]:    tensorboardX, pydantic -> pydantic-core, annotated-types, typing-inspection
+#   datasets:      dill, multiprocess
+# Already on the device, within the bounds (versions read there 2026-11-30): click filelock
+# msgpack packaging (26.3) protobuf (7.36.2) pyyaml requests attrs numpy (2.5.2) pandas
+# (3.0.6) pyarrow (25.0.1; datasets needs >=24) fsspec (2026.7.0; datasets needs <=2026.9.0)
+# tqdm xxhash huggingface-hub (1.33.0; datasets needs >=1.31) typing-extensions (4.16.0;
+# pydantic needs >=4.16.0).
+# scripts/device-env.sh re-checks every Requires-Dist there and prints what is unmet.
+PKGS=(
+  ray==2.60.0
+  datasets==5.2.0
+  dill==0.4.1
+  multiprocess==0.70.19
+  jsonschema==4.26.0
+  jsonschema-specifications==2025.9.1
+  referencing==0.37.0
+  rpds-py==2026.9.1
+  tensorboardX==2.6.5
+  pydantic==2.14.4
+  pydantic-core==2.50.5
+  annotated-types==0.8.0
+  typing-inspection==0.4.5
+)
+
+mkdir -p "$DEST"
+"$PY" -m pip download -q --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux1_x86_64 --platform any \
+  -d "$DEST" "${PKGS[@]}"
+
+# Slim the ray wheel: drop ray/jars/ and *.js.map and their RECORD lines (pip checks the
+# hashes of the files it installs against RECORD, and files absent from the zip must not
+# be listed). Rewrites in place; a second run is a no-op.
+"$PY" - "$DEST"/ray-2.60.0-*.whl <<'EOF'
+import os, sys, zipfile
+src = sys.argv[1]
+drop = lambda n: n.startswith("ray/jars/") or n.endswith(".js.map")
+with zipfile.ZipFile(src) as zin:
+    names = zin.namelist()
+    if not any(drop(n) for n in names):
+        print(f"{src}: already slim"); sys.exit(0)
+    tmp = src + ".tmp"
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zout:
+        for info in zin.infolist():
+            n = info.filename
+            if drop(n):
+                continue
+            data = zin.read(info)
+            if n.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(l for l in lines if not drop(l.split(",", 1)[0])).encode()
+            zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+os.replace(tmp, src)
+print(f"{src}: slimmed to {os.path.getsize(src) / 2**20:.1f} MiB")
+EOF
+
+# One version of each package, or the device install stops.
+dups=$(ls "$DEST"/*.whl | xargs -n1 basename | cut -d- -f1 | tr 'A-Z-' 'a-z_' | sort | uniq -d)
+[ -z "$dups" ] || { echo "more than one version of: $dups (remove the old ones from $DEST)" >&2; exit 1; }
+ls -l "$DEST"
+du -ch "$DEST"/*.whl | tail -1
