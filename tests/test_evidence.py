@@ -479,3 +479,24 @@ def test_compare_identical_and_bad_input(tmp_path, monkeypatch, capsys):
     assert evidence.compare_main([str(a_dir), str(missing)]) == 2
     assert f"no run.json at {missing / 'run.json'}" in capsys.readouterr().err
     assert evidence.compare_main([str(a_dir)]) == 2
+
+
+def test_record_and_compare_on_a_remote_filesystem(tmp_path, monkeypatch, capsys):
+    """Non-local run dirs go through fsspec (s3:// in production; fsspec's memory:// here)."""
+    fsspec = pytest.importorskip("fsspec")
+    for var in list(CHART_ENV) + ["KUBERNETES_SERVICE_HOST"]:
+        monkeypatch.delenv(var, raising=False)
+    base = f"memory://evidence-test-{os.getpid()}"
+    pods = [{"digest": "unknown", "reason": "not running in Kubernetes"}]
+    for name, lr in (("a", 1e-4), ("b", 3e-4)):
+        rec = evidence.start_record(f"{base}/{name}", config={"lr": lr}, config_text=f"lr: {lr}\n", pods=pods, env={})
+        with fsspec.open(f"{base}/{name}/metrics.jsonl", "w") as f:
+            f.write(json.dumps({"kind": "eval", "step": 1, "eval_loss": 2.0}) + "\n")
+        evidence.finish_record(f"{base}/{name}", rec)
+    a = evidence.load_record(f"{base}/a")
+    validate(a)
+    assert a["status"] == "succeeded" and a["metrics"]["final_eval_loss"] == 2.0 and a["run_name"] == "a"
+    assert evidence.compare_main([f"{base}/a", f"{base}/b"]) == 1
+    assert "lr: 0.0001 -> 0.0003" in capsys.readouterr().out
+    assert evidence.compare_main([f"{base}/a", f"{base}/nothing"]) == 2
+    assert f"no run.json at {base}/nothing/run.json" in capsys.readouterr().err
