@@ -162,7 +162,8 @@ derived one fails, naming both.
 {{- if and (ne (toString ($data.format | default "synthetic")) "synthetic") (not $data.train) }}
 {{- fail (printf "run.data.train: required with run.data.format: %s (a dataset path in the pods, e.g. under storage.mountPath)" $data.format) }}
 {{- end }}
-{{- toYaml $run }}
+{{- /* Go writes small floats as 2e-05, which YAML 1.1 readers (PyYAML) take for a string: write 2.0e-05. */}}
+{{- regexReplaceAll "(?m)^(\\s*(?:[\\w.-]+:|-)\\s+-?)([0-9]+)e([-+]?[0-9]+)$" (toYaml $run) "${1}${2}.0e${3}" }}
 {{- end }}
 
 {{/* Environment of every Ray container (EnvVar list, YAML). */}}
