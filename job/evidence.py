@@ -1342,8 +1342,9 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
 
 #: Groups whose differences make two runs' environments "not identical" (exit status 1).
 ENVIRONMENT_GROUPS = ("image", "packages", "config", "data", "hardware")
-#: Config keys that name the run rather than define it; ignored by default.
-DEFAULT_IGNORED_CONFIG = ("name", "run_name", "run.name")
+#: Config keys that name or place the run rather than define it (job/config.py's RunConfig.name
+#: and .storage_path); ignored by default, ``--ignore-config`` replaces the list.
+DEFAULT_IGNORED_CONFIG = ("name", "storage_path", "run_name", "run.name")
 _RESULT_KEYS = ("final_eval_loss", "best_eval_loss", "final_train_loss", "tokens_per_s_per_device",
                 "tokens_per_s", "mfu", "peak_mem_gib", "steps")
 
