@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -291,6 +292,9 @@ def validate(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -343,6 +347,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _YAML12_FLOAT.fullmatch(value):
+            return float(value)  # PyYAML (YAML 1.1) reads `5e-3` as a string; YAML 1.2 and Helm read a float
         raise fail
     if tp is str:
         if isinstance(value, str):
