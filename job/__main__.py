@@ -1,7 +1,13 @@
-"""Command line: `python -m job [run] --config run.yaml [--set key=value ...]`, `python -m job schema`.
+"""Command line.
+
+    python -m job [run] --config run.yaml [--set key=value ...]   train (or preflight, per `mode`)
+    python -m job compare RUN_A RUN_B                              what differs between two runs' records
+    python -m job report RUN_DIR [--out DIR]                       markdown summary and plots of a run
+    python -m job schema                                           JSON Schema of the run config
 
 `run` parses the config (errors name the field and exit 2), prints the resolved config, prepares the run
-directory, trains under Ray Train (or under torchrun when started by it), and says where the run is.
+directory, trains under Ray Train (or under torchrun when started by it), and says where the run is; a
+failed run exits 1 with the workers' error.
 """
 
 from __future__ import annotations
@@ -19,6 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["schema"]:
         print(json.dumps(config_lib.json_schema(), indent=2))
         return 0
+    if argv[:1] == ["compare"]:
+        from .evidence import compare_main
+
+        return compare_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from .report import main as report_main
+
+        return report_main(argv[1:])
     if argv[:1] == ["run"]:
         argv = argv[1:]
     parser = argparse.ArgumentParser(prog="python -m job", description="FSDP2 fine-tune under Ray Train.")
@@ -37,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
     loop_config = launch.prepare(cfg, run_dir)
-    launch.run_with_ray(cfg, loop_config)
+    error = launch.run_with_ray(cfg, loop_config)
     print(f"run directory: {run_dir}", flush=True)
+    if error:
+        print(f"run failed: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

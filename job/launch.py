@@ -44,9 +44,10 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     return loop_config
 
 
-def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> None:
+def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
+    """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
     from ray.train.torch import TorchTrainer
 
     if not ray.is_initialized():
@@ -65,7 +66,11 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> None:
             name=name, storage_path=storage, failure_config=FailureConfig(max_failures=cfg.scaling.max_failures)
         ),
     )
-    trainer.fit()
+    try:
+        trainer.fit()
+    except WorkerGroupError as e:
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in sorted(e.worker_failures.items()))
+    return None
 
 
 def run_with_torchrun(loop_config: dict) -> None:

@@ -6,8 +6,11 @@ schedule → loop (step, log, evaluate) → final evaluation and sample → clea
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+import tempfile
 import time
 
 import torch
@@ -16,16 +19,63 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from . import config as config_lib
 from . import data as data_lib
+from . import evidence
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .model import CausalLMWithLoss, build_causal_lm, load_tokenizer, parallelize
 
 
+# Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
+# the transport NCCL chose is in its log, and gathers each worker's environment for the run record.
+RECORD_ONLY_PREFLIGHT = {"sizes_mib": [1], "iters": 1, "warmup": 1, "expect": None}
+
+
 def train_loop(loop_config: dict) -> None:
     """Entry point of every worker. `loop_config` holds the resolved config dict, the launcher name, the run
-    directory and, when the driver trained one, the tokenizer's JSON."""
+    directory and, when the driver trained one, the tokenizer's JSON.
+
+    Around the training itself (`fit`), rank 0 keeps the run record `run.json`: opened after the preflight,
+    closed with the results, or with the error when anything fails.
+    """
     cfg = config_lib.load_dict(loop_config["config"])
     run_dir = loop_config["run_dir"]
+    nccl_log_dir = os.path.join(tempfile.gettempdir(), "job-nccl", cfg.name)
+    evidence.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
     device = _setup_distributed(loop_config["launcher"], cfg.scaling.use_gpu)
+    rank = dist.get_rank()
+
+    full_preflight = cfg.preflight.enabled or cfg.mode == "preflight"
+    record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
+                       seed=cfg.train.seed, runtime_env=loop_config.get("runtime_env"))
+    try:
+        preflight = evidence.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT, device,
+                                           log_dir=nccl_log_dir)
+    except evidence.PreflightError as exc:
+        if rank == 0:
+            record = evidence.start_record(run_dir, preflight=exc.result, **record_args)
+            evidence.finish_record(run_dir, record, status="failed", error=exc)
+        raise
+    record = evidence.start_record(run_dir, preflight=preflight, **record_args) if rank == 0 else None
+    if rank == 0 and full_preflight:
+        print(json.dumps({"kind": "preflight", **{k: v for k, v in preflight.items() if k != "workers"}}), flush=True)
+    if cfg.mode == "preflight":
+        if record:
+            evidence.finish_record(run_dir, record)
+        return
+
+    try:
+        results = fit(cfg, loop_config, device, record)
+    except BaseException as exc:
+        if record:
+            evidence.finish_record(run_dir, record, status="failed", error=exc)
+        raise
+    if record:
+        evidence.finish_record(run_dir, record, **results)
+    _report({"step": cfg.train.max_steps}, loop_config["launcher"])
+
+
+def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None) -> dict:
+    """Builds data and model, trains, evaluates. Returns results for the run record (rank 0's are used)."""
+    run_dir = loop_config["run_dir"]
     rank, world = dist.get_rank(), dist.get_world_size()
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
@@ -33,6 +83,8 @@ def train_loop(loop_config: dict) -> None:
     tokenizer_json = loop_config.get("tokenizer_json")
     tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
     dataset = data_lib.build(cfg.data, cfg.train, tokenizer)
+    if record:
+        evidence.update_record(run_dir, record, dataset=dataset.fingerprint, tokenizer_sha256=tokenizer_hash(tokenizer))
 
     # ---- Model: seeded init on the target device, then FSDP2 shards it (each rank keeps 1/world of it).
     with torch.device(device):
@@ -126,7 +178,7 @@ def train_loop(loop_config: dict) -> None:
             logger.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
     if logger:
         logger.close()
-    _report({"step": cfg.train.max_steps}, loop_config["launcher"])
+    return {}
 
 
 def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device: torch.device):
@@ -188,6 +240,13 @@ def generate_sample(model, tokenizer, prompt: str, n_tokens: int, device) -> str
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
     return tokenizer.decode(new)
+
+
+def tokenizer_hash(tokenizer) -> str | None:
+    """sha256 of the tokenizer's full JSON (vocabulary, merges, normalisation): equal hashes tokenize equally."""
+    if tokenizer is None:
+        return None
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
 
 def _setup_distributed(launcher: str, use_gpu: bool) -> torch.device:
