@@ -73,8 +73,8 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> nn.M
             cfg.path, revision=cfg.revision, token=token, **cfg.overrides, **common
         )
     if cfg.preset is not None:
-        arch = {**PRESETS[cfg.preset], **({"vocab_size": vocab_size} if vocab_size else {})}
-        hf_config = Qwen2Config(**arch, **cfg.overrides)
+        vocab = {"vocab_size": vocab_size} if vocab_size else {}
+        hf_config = Qwen2Config(**{**PRESETS[cfg.preset], **vocab, **cfg.overrides})
     else:
         hf_config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, token=token, **cfg.overrides)
     torch.manual_seed(seed)

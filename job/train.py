@@ -122,6 +122,14 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    def log_eval(step: int) -> None:
+        if dataset.validation is not None:
+            eval_loss = evaluate(model, dataset.validation, cfg, rank, world, device)
+            if logger:
+                logger.log({"kind": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
+
+    if cfg.eval.every_steps and start_step == 0:
+        log_eval(0)  # the untrained baseline that later evaluations are read against
     for step in range(start_step + 1, cfg.train.max_steps + 1):
         lr = schedule(step)
         for group in optimizer.param_groups:
@@ -165,12 +173,8 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
             loss_sum.zero_(), target_sum.zero_()
             interval_tokens, interval_start = 0, time.perf_counter()
 
-        if dataset.validation is not None and (
-            (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps
-        ):
-            eval_loss = evaluate(model, dataset.validation, cfg, rank, world, device)
-            if logger:
-                logger.log({"kind": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
+        if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps:
+            log_eval(step)
 
     if cfg.eval.sample_prompt is not None:
         text = generate_sample(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, device)
