@@ -137,11 +137,11 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
         micro = [next(batches) for _ in range(accum)]
         # Token-weighted mean over the global batch: FSDP averages gradients over ranks, so each rank scales
         # its loss sum by world / (targets in the global batch). Counting happens on the host, before transfer.
-        targets = torch.tensor(sum(int((b["labels"] != data_lib.IGNORE_INDEX).sum()) for b in micro), device=device)
+        targets = to_device(torch.tensor(sum(int((b["labels"] != data_lib.IGNORE_INDEX).sum()) for b in micro)), device)
         global_targets = targets.clone()
         dist.all_reduce(global_targets)
         for batch in micro:
-            batch = {k: v.to(device, non_blocking=True) if v is not None else None for k, v in batch.items()}
+            batch = {k: to_device(v, device) for k, v in batch.items()}
             step_loss, _ = model(**batch)
             (step_loss * world / global_targets).backward()
             loss_sum += step_loss.detach()
@@ -244,6 +244,16 @@ def generate_sample(model, tokenizer, prompt: str, n_tokens: int, device) -> str
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
     return tokenizer.decode(new)
+
+
+def to_device(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Copies without making the host wait for the GPU: a copy from pageable memory would block until the
+    GPU has finished all queued work, so the host could not queue the next step's kernels ahead."""
+    if tensor is None:
+        return None
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def tokenizer_hash(tokenizer) -> str | None:
