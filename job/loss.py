@@ -2,8 +2,9 @@
 
 For a causal LM with vocab V ~ 152k, the logits of N = B*T tokens are N*V*4 bytes in fp32
 (4 x 4096 tokens -> ~10 GB, plus as much again for their gradient). Here the lm-head
-matmul and the loss run over chunks of `chunk_size` tokens: peak extra memory is
-~chunk_size*V*(2+4+4) bytes, at the cost of recomputing each chunk's logits in backward.
+matmul and the loss run over chunks of `chunk_size` tokens, and each chunk's gradients are computed right
+away in forward, so no logits are kept or recomputed: the extra memory is one chunk's logits (~chunk_size*V*
+(2+4) bytes), the hidden-state gradient and an fp32 weight gradient ([V, H]).
 
     loss_sum, n_tokens = chunked_cross_entropy(hidden, weight, labels, chunk_size=4096)
     loss = loss_sum / n_tokens.clamp(min=1)
@@ -21,46 +22,48 @@ from torch import Tensor
 IGNORE_INDEX = -100
 
 
-def _chunk_lse_and_target(h: Tensor, weight: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 logits, logsumexp and target logit for one chunk; ignored targets read index 0."""
-    logits = (h @ weight.t()).float()  # matmul in the input dtype, softmax math in fp32
-    lse = torch.logsumexp(logits, dim=-1)
-    tgt = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
-    return logits, lse, tgt
+def _loss_and_logit_grad(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed cross-entropy of one chunk and its gradient w.r.t. the logits (softmax - onehot), both from one
+    read of the logits. Softmax math in fp32; the gradient is returned in the logits' dtype for the matmuls."""
+    x = logits.float()
+    valid = labels != IGNORE_INDEX
+    target = labels.clamp(min=0).unsqueeze(1)
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    loss = torch.where(valid, (lse - x.gather(1, target)).squeeze(1), 0.0).sum()
+    grad = (x - lse).exp().scatter_add(1, target, torch.full_like(lse, -1.0))
+    return loss, (grad * valid.unsqueeze(1)).to(logits.dtype)
+
+
+# On GPU, one fused kernel per chunk instead of ~8 passes over the [chunk, V] logits in eager mode.
+_loss_and_logit_grad_cuda = torch.compile(_loss_and_logit_grad, dynamic=False)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
+    """Gradients are computed in forward, chunk by chunk, while each chunk's logits exist (as Liger-Kernel's
+    fused linear cross-entropy does): no logits are kept or recomputed for backward. They are linear in the
+    upstream gradient, a scalar, so backward only scales them."""
+
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, with_grad: bool) -> Tensor:
+        loss_and_grad = _loss_and_logit_grad_cuda if hidden.is_cuda else _loss_and_logit_grad
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if with_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None
         for s in range(0, hidden.shape[0], chunk_size):
-            y = labels[s : s + chunk_size]
-            _, lse, tgt = _chunk_lse_and_target(hidden[s : s + chunk_size], weight, y)
-            loss_sum += torch.where(y != IGNORE_INDEX, lse - tgt, 0.0).sum()
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk_size = chunk_size
+            h, y = hidden[s : s + chunk_size], labels[s : s + chunk_size]
+            chunk_loss, g = loss_and_grad(h @ weight.t(), y)  # matmul in the input dtype (bf16 on GPU)
+            loss_sum += chunk_loss
+            if with_grad:
+                grad_h[s : s + chunk_size] = g @ weight
+                grad_w += (g.t() @ h).float()  # accumulate the weight gradient in fp32
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        hidden, weight, labels = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, hidden.shape[0], ctx.chunk_size):
-            h, y = hidden[s : s + ctx.chunk_size], labels[s : s + ctx.chunk_size]
-            logits, lse, _ = _chunk_lse_and_target(h, weight, y)
-            # d(lse - logit_y)/d logits = softmax - onehot(y); zero rows of ignored tokens.
-            g = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place: one [C,V] fp32 buffer
-            valid = y != IGNORE_INDEX
-            g.scatter_add_(1, y.clamp(min=0).unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
-            g *= (valid.float() * grad_loss).unsqueeze(1)
-            g = g.to(hidden.dtype)  # matmuls back in the input dtype (bf16 on GPU)
-            if need_h:
-                grad_h[s : s + ctx.chunk_size] = g @ weight
-            if need_w:
-                grad_w += (g.t() @ h).float()  # accumulate the weight grad in fp32
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
@@ -75,5 +78,6 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
                          f"{tuple(weight.shape)}, {tuple(labels.shape)}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    loss_sum = ChunkedCrossEntropy.apply(hidden, weight, labels, int(chunk_size))
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    loss_sum = ChunkedCrossEntropy.apply(hidden, weight, labels, int(chunk_size), with_grad)
     return loss_sum, (labels != IGNORE_INDEX).sum()

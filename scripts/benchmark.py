@@ -39,6 +39,7 @@ VARIANTS = {
     "no-reshard": ("torchrun", 4, {"parallel.reshard_after_forward": False}),
     "chunked-ce": ("torchrun", 4, {"train.loss_chunk_size": 4096}),
     "compile": ("torchrun", 4, {"parallel.compile": True}),
+    "compile-no-reshard": ("torchrun", 4, {"parallel.reshard_after_forward": False, "parallel.compile": True}),
     "best": ("torchrun", 4, {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096,
                              "parallel.compile": True}),
     "best-b8": ("torchrun", 8, {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096,
@@ -97,10 +98,10 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     base = next((r["tokens_per_s_per_device"] for r in rows if r["variant"] == "hf" and "error" not in r), None)
-    print(f"{'variant':<12}{'launcher':<10}{'GPUs':>5}{'batch':>6}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
+    print(f"{'variant':<20}{'launcher':<10}{'GPUs':>5}{'batch':>6}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
           f"{'mem GiB':>9}{'vs hf':>7}")
     for r in rows:
-        head = f"{r['variant']:<12}{r['launcher']:<10}{r['gpus']:>5}{r['batch']:>6}"
+        head = f"{r['variant']:<20}{r['launcher']:<10}{r['gpus']:>5}{r['batch']:>6}"
         if "error" in r:
             print(f"{head}  FAILED {r['error']}")
             continue

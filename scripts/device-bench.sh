@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark as run on the lent 2-GPU machine (see docs/device.md and docs/benchmarks.md).
-#   scripts/device-bench.sh 1gpu   one-GPU variants, two queues in parallel (one per GPU)
-#   scripts/device-bench.sh 2gpu   two-GPU variants (FSDP across both GPUs; torchrun vs Ray Train)
+#   scripts/device-bench.sh 1gpu [VARIANTS_GPU0 VARIANTS_GPU1]   one-GPU variants, one queue per GPU in parallel
+#   scripts/device-bench.sh 2gpu [VARIANTS]                       FSDP across both GPUs; torchrun vs Ray Train
 # Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -12,10 +12,10 @@ bench=(python3 scripts/benchmark.py --preset qwen2.5-1.5b --seq-len 4096 --timeo
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
 case "${1:-1gpu}" in
   1gpu)
-    CUDA_VISIBLE_DEVICES=0 "${bench[@]}" --gpus 1 --only hf,default,no-reshard,chunked-ce --out "$out/gpu0.json" >"$out/gpu0.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 "${bench[@]}" --gpus 1 --only compile,best,best-b8 --out "$out/gpu1.json" >"$out/gpu1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 "${bench[@]}" --gpus 1 --only "${2:-hf,default,no-reshard,chunked-ce}" --out "$out/gpu0.json" >"$out/gpu0.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 "${bench[@]}" --gpus 1 --only "${3:-compile,compile-no-reshard,best,best-b8}" --out "$out/gpu1.json" >"$out/gpu1.log" 2>&1 &
     wait
     tail -n 14 "$out/gpu0.log" "$out/gpu1.log" ;;
   2gpu)
-    "${bench[@]}" --gpus 2 --only hf,best,best-ray --out "$out/gpu2.json" 2>&1 | tee "$out/gpu2.log" | tail -n 8 ;;
+    "${bench[@]}" --gpus 2 --only "${2:-hf,compile-no-reshard,best,best-ray}" --out "$out/gpu2.json" 2>&1 | tee "$out/gpu2.log" | tail -n 8 ;;
 esac
