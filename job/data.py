@@ -396,15 +396,16 @@ def tokenizer_from_json(text: str):
 
 
 def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> dict:
-    """Name and sha256 of the tokenizer (its serialized vocabulary, merges and specials, and chat template)."""
-    digest = hashlib.sha256()
+    """Name and sha256 of the tokenizer's full JSON (vocabulary, merges, normalisation, specials: the run
+    record's `tokenizer_sha256`), and of the chat template in use, if any."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    out = {"name": tokenizer.name_or_path or f"trained byte-level BPE ({len(tokenizer)} tokens)",
+           "vocab_size": len(tokenizer), "sha256": hashlib.sha256(text.encode()).hexdigest()}
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template:
-        digest.update(str(template).encode())
-    return {"name": tokenizer.name_or_path or f"trained byte-level BPE ({len(tokenizer)} tokens)",
-            "vocab_size": len(tokenizer), "sha256": digest.hexdigest()}
+        out["chat_template_sha256"] = hashlib.sha256(str(template).encode()).hexdigest()
+    return out
 
 
 def _eos(tokenizer) -> int:
