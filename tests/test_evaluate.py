@@ -140,14 +140,20 @@ def test_two_worker_gsm8k_run_lowers_held_out_loss_and_scores_the_task(tmp_path,
     run_dir = launch.run_directory(cfg)
     launch.run_with_ray(cfg, launch.prepare(cfg, run_dir))
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    evals = [r["eval_loss"] for r in records if r["kind"] == "eval"]
-    # Falls between evaluations, and ends well below the uniform guess over the 512-token vocabulary (6.24).
-    assert len(evals) == 3 and evals[0] > evals[1] > evals[2] and evals[-1] < evals[0] - 0.2, evals
-    assert evals[-1] < 5.5, evals
+    evals = {r["step"]: r["eval_loss"] for r in records if r["kind"] == "eval"}
+    # From the untrained baseline (step 0, about ln 512 = 6.24) the held-out loss falls at every evaluation.
+    assert list(evals) == [0, 20, 40, 60], evals
+    losses = list(evals.values())
+    assert all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 1.0, evals
+    assert losses[-1] < losses[1] - 0.2, evals  # and keeps falling after the first, easy drop
     (task,) = [r for r in records if r["kind"] == "task_eval"]
     assert task["step"] == 60 and task["n"] == 6 and 0 <= task["exact_match"] <= 1
     assert len(task["examples"]) == 2 and set(task["examples"][0]) == {"question", "expected", "got", "correct"}
     assert task["examples"][0]["question"].startswith("Question: ")
+    run_record = json.load(open(os.path.join(run_dir, "run.json")))
+    assert run_record["status"] == "succeeded"
+    assert run_record["evaluation"] == [{k: v for k, v in task.items() if k != "time"}]  # the task results
+    assert run_record["data"]["fingerprint"]["train"]["files"][0]["sha256"]
     start = next(r for r in records if r["kind"] == "start")
     fp = start["data"]
     assert fp["train"]["rows_kept"] == 600 and fp["validation"]["rows_kept"] == 600 and fp["tokenizer"]["sha256"]
