@@ -17,6 +17,7 @@ import json
 import sys
 
 from . import config as config_lib
+from . import data as data_lib
 from . import launch
 
 
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         launch.run_with_torchrun(loop_config)
         return 0
     print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
-    loop_config = launch.prepare(cfg, run_dir)
+    try:
+        loop_config = launch.prepare(cfg, run_dir)
+    except data_lib.DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
     error = launch.run_with_ray(cfg, loop_config)
     print(f"run directory: {run_dir}", flush=True)
     if error:

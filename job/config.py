@@ -58,15 +58,69 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """A data source. In YAML a plain string is shorthand for `{path: <string>}`."""
+
+    _shorthand = "path"
+
+    path: str = ""
+    """Where the rows are: a local or mounted file (`.jsonl`, `.json`, `.parquet`, `.csv`, `.txt`) or a directory
+    of them; an object-storage URI such as `s3://bucket/prefix/train.jsonl` (read through fsspec, credentials
+    from the environment, e.g. `AWS_ACCESS_KEY_ID`); `hf:owner/name` for a Hugging Face hub dataset (token from
+    `HF_TOKEN`); or `builtin:python-docs` (the Python language reference that ships with Python, `text` only)."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit sha) of an `hf:` source; pin a commit sha for reproducible runs.
+    Not allowed for other sources (file contents are fingerprinted by their sha256 instead)."""
+    subset: Optional[str] = None
+    """Hub dataset configuration name (e.g. `main` for `hf:openai/gsm8k`); only for `hf:` sources."""
+    split: str = "train"
+    """Split of an `hf:` source to read (e.g. `train`, `test`); only for `hf:` sources."""
+
+
+@dataclass
+class ColumnsConfig:
+    text: str = "text"
+    """Column holding the document for `format: text` (JSON/Parquet/CSV rows; `.txt` files need none)."""
+    prompt: str = "prompt"
+    """Column holding the prompt for `format: prompt_completion` (no loss on its tokens)."""
+    completion: str = "completion"
+    """Column holding the completion for `format: prompt_completion` (the loss is on its tokens and EOS)."""
+    messages: str = "messages"
+    """Column holding the conversation for `format: chat`: a list of `{role, content}` mappings."""
+
+
+@dataclass
 class DataConfig:
-    format: Literal["synthetic", "text"] = "synthetic"
+    format: Literal["synthetic", "text", "prompt_completion", "chat"] = "synthetic"
     """`synthetic`: seeded random tokens (an infrastructure check, nothing to learn); `text`: language
-    modelling on plain text, documents joined with EOS and packed into `train.seq_len` blocks."""
-    train: Optional[str] = None
-    """Training source: a file or directory path, or `builtin:python-docs` (the Python language reference
-    that ships with every Python, about 465 KB of text)."""
+    modelling on a text column (or plain text files), documents joined with EOS; `prompt_completion`: the loss
+    is on the completion tokens (and the EOS after them) only; `chat`: a list of messages rendered with the
+    chat template, the loss on the assistant turns only."""
+    train: Optional[SourceConfig] = None
+    """Training source: a path/URI/`hf:` id string, or a mapping with `path`, `revision`, `subset`, `split`."""
+    validation: Optional[SourceConfig] = None
+    """Held-out source for evaluation (same format and columns); when unset, `validation_fraction` of the
+    training rows is held out instead."""
     validation_fraction: float = 0.05
-    """Fraction of the training blocks held out for evaluation (seeded, taken before training sees them)."""
+    """Fraction of the training documents held out for evaluation when no `validation` source is given
+    (seeded by `train.seed`, removed before training sees them)."""
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    """Column names of the rows, mapped to what the format needs."""
+    prompt_template: str = "{prompt}"
+    """`prompt_completion`: Python format string that renders a row's prompt; `{prompt}` is the mapped prompt
+    column and every other column is available by its name, e.g. `"Question: {prompt}\\nAnswer: "`."""
+    chat_template: Optional[str] = None
+    """`chat`: Jinja chat template used instead of the tokenizer's own (required when the tokenizer has none,
+    e.g. a trained one)."""
+    packing: bool = True
+    """`true`: pack documents back to back into `train.seq_len` blocks (EOS between them, position ids restart
+    at each document so attention stays within it, no padding); `false`: one document per sequence, truncated
+    to `train.seq_len` and padded (padding carries no loss)."""
+    bad_rows: Literal["fail", "skip"] = "fail"
+    """What to do with a row that is not valid JSON or lacks a mapped column: `fail` stops the run naming the
+    file and line; `skip` drops it and counts it in the dataset fingerprint."""
+    max_rows: int = 0
+    """Read at most this many rows per source (0: all); for quick runs and tests."""
     synthetic_vocab: Optional[int] = None
     """Token ids drawn for synthetic data; defaults to the model's vocabulary size."""
 
@@ -144,6 +198,20 @@ class EvalConfig:
     """Held-out loss and perplexity every N steps (0: only at the end)."""
     max_batches: int = 16
     """Held-out micro-batches per evaluation per worker (0: the whole held-out split)."""
+    task: Optional[Literal["gsm8k"]] = None
+    """Task evaluation by greedy generation on held-out rows, scored by exact match: `gsm8k` compares the
+    final number (after `####` in the reference; after `####`, else the last number, in the generation).
+    Needs `data.format: prompt_completion` or `chat`."""
+    task_every_steps: int = 0
+    """Run the task evaluation every N steps (0: only at the end)."""
+    task_max_examples: int = 64
+    """Held-out rows scored per task evaluation (rounded down to a multiple of the workers; 0: all)."""
+    task_batch_size: int = 8
+    """Prompts generated together per worker (left-padded)."""
+    task_max_new_tokens: int = 160
+    """Tokens generated per prompt (every worker generates exactly this many, so they stay in lockstep)."""
+    task_log_examples: int = 3
+    """(question, expected, got) examples included in each `task_eval` metrics record."""
     sample_prompt: Optional[str] = None
     """Greedy-generate a short continuation of this prompt after training, as a sanity check."""
     sample_tokens: int = 48
@@ -225,6 +293,8 @@ def validate(cfg: RunConfig) -> None:
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
         "logging.every_steps": cfg.logging.every_steps,
         "preflight.iters": cfg.preflight.iters,
+        "eval.task_batch_size": cfg.eval.task_batch_size,
+        "eval.task_max_new_tokens": cfg.eval.task_max_new_tokens,
     }
     for path, value in positive.items():
         if value <= 0:
@@ -238,6 +308,10 @@ def validate(cfg: RunConfig) -> None:
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "eval.every_steps": cfg.eval.every_steps,
         "eval.max_batches": cfg.eval.max_batches,
+        "eval.task_every_steps": cfg.eval.task_every_steps,
+        "eval.task_max_examples": cfg.eval.task_max_examples,
+        "eval.task_log_examples": cfg.eval.task_log_examples,
+        "data.max_rows": cfg.data.max_rows,
         "preflight.warmup": cfg.preflight.warmup,
     }
     for path, value in non_negative.items():
@@ -253,8 +327,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
         raise ConfigError(f"train.betas: expected two values in [0, 1), got {cfg.train.betas}")
-    if not 0.0 <= cfg.data.validation_fraction < 1.0:
-        raise ConfigError(f"data.validation_fraction: must be within [0, 1), got {cfg.data.validation_fraction}")
     m = cfg.model
     if m.init == "pretrained" and m.path is None:
         raise ConfigError("model.path: required with model.init: pretrained (or set model.init: random)")
@@ -266,17 +338,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
     if m.train_tokenizer_vocab is not None and m.train_tokenizer_vocab < 260:
         raise ConfigError(f"model.train_tokenizer_vocab: must be >= 260 (256 bytes + specials), got {m.train_tokenizer_vocab}")
-    if cfg.data.format == "synthetic":
-        if cfg.data.train is not None:
-            raise ConfigError("data.train: synthetic data takes no source (set data.format: text to train on it)")
-    elif cfg.data.train is None:
-        raise ConfigError(f"data.train: required with data.format: {cfg.data.format}")
-    else:
-        if m.tokenizer is None and m.path is None and m.train_tokenizer_vocab is None:
-            raise ConfigError(
-                "model.tokenizer: real data needs a tokenizer: set model.tokenizer, model.path "
-                "or model.train_tokenizer_vocab"
-            )
+    _validate_data(cfg)
+    if cfg.data.format != "synthetic" and m.tokenizer is None and m.path is None and m.train_tokenizer_vocab is None:
+        raise ConfigError(
+            "model.tokenizer: real data needs a tokenizer: set model.tokenizer, model.path "
+            "or model.train_tokenizer_vocab"
+        )
     if not cfg.preflight.sizes_mib or min(cfg.preflight.sizes_mib) <= 0:
         raise ConfigError(f"preflight.sizes_mib: expected a non-empty list of sizes > 0, got {cfg.preflight.sizes_mib}")
     if cfg.parallel.cpu_offload and cfg.parallel.compile:
@@ -285,6 +352,63 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("parallel.mixed_precision: bf16 needs scaling.use_gpu: true (CPU runs use fp32)")
     if cfg.eval.sample_prompt is not None and cfg.data.format == "synthetic":
         raise ConfigError("eval.sample_prompt: synthetic data has no tokenizer to encode a prompt")
+
+
+def _validate_data(cfg: RunConfig) -> None:
+    """Cross-field checks of `data` and `eval` (sources, columns, templates, task evaluation)."""
+    import string
+
+    d, e = cfg.data, cfg.eval
+    if not 0.0 <= d.validation_fraction < 1.0:
+        raise ConfigError(f"data.validation_fraction: must be within [0, 1), got {d.validation_fraction}")
+    if d.format == "synthetic":
+        for key in ("train", "validation"):
+            if getattr(d, key) is not None:
+                raise ConfigError(f"data.{key}: synthetic data takes no source (set data.format: text to train on it)")
+        if e.task is not None:
+            raise ConfigError("eval.task: task evaluation needs real data (data.format: prompt_completion or chat)")
+        return
+    if d.train is None:
+        raise ConfigError(f"data.train: required with data.format: {d.format}")
+    for key in ("train", "validation"):
+        src = getattr(d, key)
+        if src is None:
+            continue
+        if not src.path:
+            raise ConfigError(f"data.{key}.path: required (a file, directory, URI or hf:owner/name)")
+        hub = src.path.startswith("hf:") and not src.path.startswith("hf://")
+        if hub and src.path.count("/") != 1:
+            raise ConfigError(f"data.{key}.path: expected hf:owner/name, got {src.path!r}")
+        if not hub:
+            for opt in ("revision", "subset"):
+                if getattr(src, opt) is not None:
+                    raise ConfigError(f"data.{key}.{opt}: only for hub sources (hf:owner/name), not {src.path!r}")
+            if src.split != "train":
+                raise ConfigError(f"data.{key}.split: only for hub sources (hf:owner/name), not {src.path!r}")
+        if src.path.startswith("builtin:"):
+            if src.path != "builtin:python-docs":
+                raise ConfigError(f"data.{key}.path: unknown builtin source {src.path!r} (known: builtin:python-docs)")
+            if d.format != "text":
+                raise ConfigError(f"data.{key}.path: builtin:python-docs is plain text, for data.format: text only")
+    for col, name in dataclasses.asdict(d.columns).items():
+        if not name:
+            raise ConfigError(f"data.columns.{col}: must not be empty")
+    if d.format == "prompt_completion":
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(d.prompt_template) if f is not None]
+        except ValueError as err:
+            raise ConfigError(f"data.prompt_template: not a valid format string: {err}") from None
+        if any(not f or not f.isidentifier() for f in fields):
+            raise ConfigError(
+                f"data.prompt_template: fields must be column names like {{prompt}}, got {d.prompt_template!r}"
+            )
+    if d.chat_template is not None and d.format != "chat":
+        raise ConfigError("data.chat_template: only used with data.format: chat")
+    if e.task is not None:
+        if d.format not in ("prompt_completion", "chat"):
+            raise ConfigError(f"eval.task: needs data.format prompt_completion or chat, not {d.format}")
+        if d.validation is None and d.validation_fraction == 0:
+            raise ConfigError("eval.task: needs held-out rows: set data.validation or data.validation_fraction > 0")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -313,6 +437,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, str) and hasattr(tp, "_shorthand"):
+            value = {tp._shorthand: value}
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         return _build(tp, value, path)
@@ -444,12 +570,17 @@ def _schema(tp: Any) -> dict:
         props = {}
         for f in dataclasses.fields(tp):
             props[f.name] = {**_schema(_hints(tp)[f.name]), "description": docs[f.name]}
-        return {"type": "object", "additionalProperties": False, "properties": props}
+        obj = {"type": "object", "additionalProperties": False, "properties": props}
+        if hasattr(tp, "_shorthand"):  # a string stands for {<_shorthand>: string}
+            return {"anyOf": [{"type": "string"}, obj]}
+        return obj
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
         schema = _schema(inner)
         if "enum" in schema:
             return {"enum": [*schema["enum"], None]}
+        if "anyOf" in schema:
+            return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
         return {**schema, "type": [schema["type"], "null"]}
     if origin is Literal:
         return {"enum": list(typing.get_args(tp))}

@@ -29,14 +29,16 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
 
     Returns the workers' `loop_config`, without the launcher name.
     """
+    # Read and check every data source here, before any worker starts: a missing path, bad row or unreachable
+    # hub id fails now with the source named. The training text also trains the tokenizer, if one is asked for.
+    corpus = data_lib.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
     fs, path = fsspec.core.url_to_fs(run_dir)
     fs.makedirs(path, exist_ok=True)
     with fsspec.open(f"{run_dir}/config.yaml", "w") as f:
         f.write(config_lib.to_yaml(cfg))
     loop_config = {"config": config_lib.to_dict(cfg), "run_dir": run_dir}
     if cfg.model.train_tokenizer_vocab:
-        documents, _ = data_lib.read_documents(cfg.data.train)
-        tokenizer = data_lib.train_bpe_tokenizer(documents, cfg.model.train_tokenizer_vocab)
+        tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
         if "://" not in run_dir:
             tokenizer.save_pretrained(os.path.join(run_dir, "tokenizer"))

@@ -109,7 +109,9 @@ class CausalLMWithLoss(nn.Module):
                 eos_token_id=None,
                 pad_token_id=self.lm.config.pad_token_id or 0,
             )
-        hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        # No KV cache: with one, transformers skips the packed-sequence mask derived from position_ids and
+        # attention would cross document boundaries.
+        hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
         head = self.lm.get_output_embeddings()
         if self.loss_chunk_size:

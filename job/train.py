@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from . import config as config_lib
 from . import data as data_lib
 from . import evidence
+from .evaluate import evaluate, task_evaluate, task_items
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .model import CausalLMWithLoss, build_causal_lm, load_tokenizer, parallelize
 
@@ -102,6 +103,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
     # ---- Batches: a pure function of (seed, rank, micro-batch index), so a resumed run sees the same data.
     accum, mb, seq = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.train.seq_len
     start_step = 0
+    task_results, items = [], task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else []
     if dataset.train is None:
         vocab = cfg.data.synthetic_vocab or arch.vocab_size
         batches = data_lib.synthetic_batches(vocab, mb, seq, rank, cfg.train.seed, start=start_step * accum)
@@ -175,6 +177,10 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
 
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps:
             log_eval(step)
+        if cfg.eval.task and (step % (cfg.eval.task_every_steps or cfg.train.max_steps) == 0 or step == cfg.train.max_steps):
+            task_results.append(task_evaluate(model, tokenizer, items, cfg.eval, rank, world, device, step))
+            if logger:
+                logger.log(task_results[-1])
 
     if cfg.eval.sample_prompt is not None:
         text = generate_sample(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, device)
@@ -182,7 +188,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
             logger.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
     if logger:
         logger.close()
-    return {}
+    return {"evaluation": task_results} if cfg.eval.task else {}
 
 
 def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device: torch.device):
@@ -205,33 +211,6 @@ def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device:
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
     return optimizer, schedule
-
-
-@torch.no_grad()
-def evaluate(model, blocks: data_lib.Blocks, cfg: config_lib.RunConfig, rank: int, world: int, device) -> float:
-    """Mean held-out loss per target token over all ranks.
-
-    Each rank takes the same number of blocks (floor(n / world)), in the same number of micro-batches, so the
-    ranks run the same sequence of FSDP collectives.
-    """
-    per_rank = len(blocks) // world
-    if per_rank == 0:
-        raise data_lib.DataError(f"data.validation_fraction: {len(blocks)} held-out blocks for {world} workers")
-    mine = blocks.select(torch.arange(rank, per_rank * world, world))
-    mb = cfg.train.micro_batch_size
-    n_batches = math.ceil(per_rank / mb)
-    if cfg.eval.max_batches:
-        n_batches = min(n_batches, cfg.eval.max_batches)
-    model.eval()
-    totals = torch.zeros(2, device=device)
-    for i in range(n_batches):
-        b = mine.select(torch.arange(i * mb, min((i + 1) * mb, per_rank)))
-        loss_sum, n = model(input_ids=b.input_ids.to(device), labels=b.labels.to(device),
-                            position_ids=b.position_ids.to(device))
-        totals += torch.stack([loss_sum.float(), n.float()])
-    model.train()
-    dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
 
 
 def generate_sample(model, tokenizer, prompt: str, n_tokens: int, device) -> str:

@@ -16,17 +16,18 @@ def test_pack_reproduces_every_token_once_and_resets_positions():
     blocks = data_lib.pack(s, seq_len=4)
     flat = s.tokens.tolist()
     n = len(blocks)
-    assert n == (len(flat) - 1) // 4
+    assert n == -(-(len(flat) - 1) // 4)  # the last, partial block is padded (with 0), not dropped
     # Inputs tile the stream without overlap; labels are the inputs shifted by one.
-    assert blocks.input_ids.flatten().tolist() == flat[: n * 4]
-    raw_targets = flat[1 : n * 4 + 1]
+    assert blocks.input_ids.flatten().tolist() == flat + [0] * (n * 4 - len(flat))
+    raw_targets = flat[1:]
     labels = blocks.labels.flatten().tolist()
+    assert labels[len(raw_targets):] == [IGNORE_INDEX] * (n * 4 - len(raw_targets))
     starts = s.doc_start.tolist()
     for i, (label, target) in enumerate(zip(labels, raw_targets)):
         # A document's first token is never a target (nothing before it in the document predicts it).
         assert label == (IGNORE_INDEX if starts[i + 1] else target)
     # Positions restart at document starts and block starts.
-    assert blocks.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
+    assert blocks.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3], [0, 0, 1, 2]]
 
 
 def test_loss_mask_hides_non_target_tokens():
@@ -36,13 +37,16 @@ def test_loss_mask_hides_non_target_tokens():
 
 
 def test_holdout_is_disjoint_and_seeded():
-    s = TokenStream(torch.arange(1001), torch.ones(1001, dtype=torch.bool), torch.zeros(1001, dtype=torch.bool))
-    blocks = data_lib.pack(s, seq_len=10)
-    train, val = data_lib.split_holdout(blocks, 0.1, seed=3)
-    train2, val2 = data_lib.split_holdout(blocks, 0.1, seed=3)
-    assert torch.equal(val.input_ids, val2.input_ids) and len(val) == 10 and len(train) == 90
-    seen = {row[0] for row in train.input_ids.tolist()} | {row[0] for row in val.input_ids.tolist()}
-    assert len(seen) == 100
+    from job import config as config_lib
+
+    raw = {"name": "t", "model": {"preset": "qwen2-tiny", "init": "random", "train_tokenizer_vocab": 512},
+           "data": {"format": "text", "train": "builtin:python-docs", "validation_fraction": 0.1}}
+    cfg = config_lib.load_dict(raw).data
+    train, val, info = data_lib.read_examples(cfg, seed=3)
+    train2, val2, _ = data_lib.read_examples(cfg, seed=3)
+    # Held out by document (before tokenization), so no held-out document is ever trained on.
+    assert val.items == val2.items and len(val.items) == info["rows"] == 7 and len(train.items) == 79 - 7
+    assert not {x["text"] for x in train.items} & {x["text"] for x in val.items}
 
 
 def test_rank_shards_are_disjoint_and_resumable():
@@ -75,10 +79,12 @@ def test_synthetic_batches_differ_by_rank_and_repeat_by_index():
 
 
 def test_builtin_corpus_and_missing_source():
-    docs, origin = data_lib.read_documents("builtin:python-docs")
-    assert sum(map(len, docs)) > 300_000 and origin["documents"] == len(docs) and len(origin["sha256"]) == 64
+    from job.config import SourceConfig
+
+    rows = data_lib.load_source(SourceConfig("builtin:python-docs"), "data.train")
+    assert sum(len(text) for _, text in rows.rows) > 300_000 and len(rows.info["sha256"]) == 64
     try:
-        data_lib.read_documents("/nonexistent/corpus.txt")
+        data_lib.load_source(SourceConfig("/nonexistent/corpus.txt"), "data.train")
     except data_lib.DataError as e:
         assert "data.train: source not found: /nonexistent/corpus.txt" in str(e)
     else:

@@ -1,0 +1,183 @@
+"""Evaluation: held-out loss and perplexity, and task evaluation by greedy generation scored by exact match.
+
+Both run on every rank with FSDP2-sharded parameters, so every rank must make the same calls in the same
+order: the held-out loss gives each rank the same number of micro-batches, and task evaluation gives each
+rank the same number of `generate` calls with the same `max_new_tokens` (generation never stops early, see
+`CausalLMWithLoss.forward`). Ranks with fewer items than the others fill in with weight-0 repeats, so the
+result is exact over the items and no rank waits on a collective that another never starts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+
+import torch
+import torch.distributed as dist
+
+from . import data as data_lib
+
+# --------------------------------------------------------------------------------------------------------------------
+# Held-out loss
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _rank_slots(n: int, rank: int, world: int) -> tuple[list[int], list[bool]]:
+    """Rank `rank`'s item indices (rank, rank + world, …), padded to ceil(n / world) with weight-0 repeats."""
+    per_rank = -(-n // world)
+    index = [rank + k * world for k in range(per_rank)]
+    return [i if i < n else 0 for i in index], [i < n for i in index]
+
+
+@torch.no_grad()
+def evaluate(model, blocks: data_lib.Blocks, cfg, rank: int, world: int, device) -> float:
+    """Mean held-out loss per target token over all ranks (`cfg` is the RunConfig).
+
+    Each rank runs the same number of micro-batches: ceil(blocks / world) blocks each, the ranks that run out
+    repeating a block with weight 0. `eval.max_batches` caps the micro-batches per rank.
+    """
+    index, real = _rank_slots(len(blocks), rank, world)
+    mb = cfg.train.micro_batch_size
+    n_batches = math.ceil(len(index) / mb)
+    if cfg.eval.max_batches:
+        n_batches = min(n_batches, cfg.eval.max_batches)
+    model.eval()
+    totals = torch.zeros(2, device=device)
+    for i in range(n_batches):
+        sel = torch.tensor(index[i * mb : (i + 1) * mb])
+        b = blocks.select(sel)
+        labels = b.labels.clone()
+        labels[~torch.tensor(real[i * mb : (i + 1) * mb])] = data_lib.IGNORE_INDEX  # weight-0 repeats
+        loss_sum, n = model(input_ids=b.input_ids.to(device), labels=labels.to(device),
+                            position_ids=b.position_ids.to(device))
+        totals += torch.stack([loss_sum.float(), n.float()])
+    model.train()
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Exact-match scoring
+# --------------------------------------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?[$]?\d[\d,]*(?:\.\d+)?|-?[$]?\.\d+")
+
+
+def normalize_number(text: str) -> str | None:
+    """A number in canonical form (`1,000.50` → `1000.5`, `$7` → `7`, `3.0` → `3`), or None if not one."""
+    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def gsm8k_reference(answer: str) -> str | None:
+    """The final answer of a GSM8K reference solution: the number after `####`."""
+    if "####" not in answer:
+        return None
+    tail = answer.rsplit("####", 1)[1].split()
+    return normalize_number(tail[0]) if tail else None
+
+
+def gsm8k_prediction(text: str) -> str | None:
+    """The final answer of a generated solution: the first number after the last `####`, else the last number
+    in the text (models that have not learned the `####` convention still get credit for a right number)."""
+    if "####" in text:
+        tail = _NUMBER.findall(text.rsplit("####", 1)[1])
+        if tail:
+            return normalize_number(tail[0])
+    numbers = _NUMBER.findall(text)
+    return normalize_number(numbers[-1]) if numbers else None
+
+
+def gsm8k_exact_match(generated: str, reference_answer: str) -> bool:
+    expected = gsm8k_reference(reference_answer)
+    return expected is not None and gsm8k_prediction(generated) == expected
+
+
+TASKS = {"gsm8k": (gsm8k_reference, gsm8k_prediction)}
+"""Task name → (reference final answer from a completion, predicted final answer from a generation)."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Task evaluation by generation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def task_items(examples: list[dict], data_cfg, tokenizer) -> list[dict]:
+    """`{question, prompt, reference}` for held-out examples: the prompt exactly as training renders it (the
+    completion's prompt, or the conversation up to the last assistant turn with the generation prompt)."""
+    items = []
+    for x in examples:
+        if "prompt" in x:
+            items.append({"question": x["prompt"], "prompt": x["prompt"], "reference": x["completion"]})
+        elif "messages" in x:
+            msgs = x["messages"]
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            prompt = data_lib.render_chat(msgs[:last], tokenizer, data_cfg.chat_template, generation_prompt=True)
+            user = [m["content"] for m in msgs[:last] if m["role"] == "user"]
+            items.append({"question": user[-1] if user else prompt, "prompt": prompt, "reference": msgs[last]["content"]})
+    return items
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `input_ids` and `attention_mask` (generation continues every row from the same column)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def task_evaluate(model, tokenizer, items: list[dict], eval_cfg, rank: int, world: int, device, step: int) -> dict:
+    """Greedy generation on held-out items, scored by exact match of the task's final answer; the same on
+    every rank. Returns the `task_eval` metrics record (examples from rank 0's share).
+
+    The first `eval.task_max_examples` items are split across ranks; each rank makes ceil(per_rank / batch)
+    `generate` calls of exactly `eval.task_max_new_tokens` tokens, filling in with weight-0 repeats.
+    """
+    reference_of, prediction_of = TASKS[eval_cfg.task]
+    if eval_cfg.task_max_examples:
+        items = items[: eval_cfg.task_max_examples]
+    if not items:
+        raise data_lib.DataError("eval.task: no held-out rows to evaluate on")
+    eos = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    index, real = _rank_slots(len(items), rank, world)
+    bs = eval_cfg.task_batch_size
+    correct = counted = 0
+    shown = []
+    model.eval()
+    for start in range(0, len(index), bs):
+        batch = [items[i] for i in index[start : start + bs]]
+        prompts = tokenizer([x["prompt"] for x in batch], add_special_tokens=False)["input_ids"]
+        ids, mask = left_pad(prompts, pad_id)
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=eval_cfg.task_max_new_tokens)
+        for k, x in enumerate(batch):
+            if not real[start + k]:
+                continue
+            new = out[k, ids.shape[1]:].tolist()
+            if eos is not None and eos in new:
+                new = new[: new.index(eos)]
+            got = tokenizer.decode(new, skip_special_tokens=True)
+            expected = reference_of(x["reference"])
+            ok = expected is not None and prediction_of(got) == expected
+            correct, counted = correct + ok, counted + 1
+            if len(shown) < eval_cfg.task_log_examples:
+                shown.append({"question": x["question"], "expected": expected, "got": got, "correct": bool(ok)})
+    model.train()
+    totals = torch.tensor([correct, counted], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    n = int(totals[1].item())
+    return {"kind": "task_eval", "step": step, "task": eval_cfg.task, "exact_match": totals[0].item() / max(n, 1),
+            "n": n, "examples": shown}

@@ -1,0 +1,159 @@
+"""Exact-match scoring, lockstep task evaluation, and a 2-worker GSM8K run whose held-out loss falls."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from job import evaluate as E
+from tests.conftest import tiny_run_config
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = next((p for p in (REPO.parent / "shared" / "data", REPO.parent.parent / "shared" / "data") if p.exists()), None)
+GSM8K = SHARED / "gsm8k" if SHARED else None
+needs_gsm8k = pytest.mark.skipif(GSM8K is None, reason="shared GSM8K data not found")
+
+
+# ---- scorer -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reference, expected", [
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),
+    ("... so she has 1,000 dollars.\n#### 1,000", "1000"),
+    ("#### -3", "-3"),
+    ("#### 0.50", "0.5"),
+    ("#### $18.00", "18"),
+    ("#### 5 apples", "5"),
+    ("no marker 42", None),
+    ("####", None),
+])
+def test_gsm8k_reference(reference, expected):
+    assert E.gsm8k_reference(reference) == expected
+
+
+@pytest.mark.parametrize("generated, expected", [
+    ("She sold 24 in May, 48 + 24 = 72.\n#### 72", "72"),
+    ("#### 72\nQuestion: something 9", "72"),  # after ####, the first number, not the last of the text
+    ("First 3 then 5. The answer is $1,250.", "1250"),  # no ####: the last number
+    ("The total is 18.0.", "18"),
+    ("#### -4", "-4"),
+    ("I don't know", None),
+    ("", None),
+])
+def test_gsm8k_prediction(generated, expected):
+    assert E.gsm8k_prediction(generated) == expected
+
+
+def test_gsm8k_exact_match_hand_checked():
+    ref = "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"
+    assert E.gsm8k_exact_match("0.2 x 50 = 10\n#### 10", ref)
+    assert E.gsm8k_exact_match("She earned $10.00", ref)
+    assert not E.gsm8k_exact_match("0.2 per minute\n#### 0.2", ref)
+    assert not E.gsm8k_exact_match("She earned 100", ref)
+    assert not E.gsm8k_exact_match("#### 10", "no final answer here")
+    assert not E.gsm8k_exact_match("10", "#### 1")
+
+
+@needs_gsm8k
+def test_gsm8k_references_all_parse_and_match_themselves():
+    with open(GSM8K / "test.jsonl") as f:
+        answers = [json.loads(line)["answer"] for line in f]
+    assert all(E.gsm8k_reference(a) is not None for a in answers)
+    assert all(E.gsm8k_exact_match(a, a) for a in answers)
+
+
+# ---- lockstep generation ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, world", [(10, 2), (7, 2), (5, 3), (1, 2)])
+def test_rank_slots_equal_length_and_cover_every_item_once(n, world):
+    slots = [E._rank_slots(n, r, world) for r in range(world)]
+    assert len({len(index) for index, _ in slots}) == 1  # same number of items, so the same number of calls
+    real = sorted(i for index, weight in slots for i, w in zip(index, weight) if w)
+    assert real == list(range(n))
+
+
+def test_left_pad():
+    ids, mask = E.left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+class CountingModel(torch.nn.Module):
+    """Stands in for CausalLMWithLoss's generate path: answers '#### 7' for every prompt, counts calls."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.answer = tokenizer("#### 7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        self.calls = []
+
+    def forward(self, input_ids, attention_mask, max_new_tokens):
+        assert (attention_mask[:, -1] == 1).all()  # left padded
+        self.calls.append((input_ids.shape[0], max_new_tokens))
+        new = torch.tensor(self.answer + [0] * (max_new_tokens - len(self.answer)))
+        return torch.cat([input_ids, new.expand(input_ids.shape[0], -1)], 1)
+
+
+def test_task_evaluate_scores_and_calls_generate_in_lockstep(monkeypatch):
+    from types import SimpleNamespace
+
+    from job import data as D
+
+    tok = D.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: #### 7"] * 5, 300)
+    items = [{"question": f"q{i}", "prompt": f"Question: {i}\nAnswer: ", "reference": f"#### {7 if i % 2 else 8}"}
+             for i in range(7)]
+    cfg = SimpleNamespace(task="gsm8k", task_max_examples=0, task_batch_size=2, task_max_new_tokens=12, task_log_examples=2)
+    monkeypatch.setattr(E.dist, "all_reduce", lambda t: None)  # one rank's view; the sum is checked below
+    records, models = [], []
+    for rank in range(2):
+        models.append(CountingModel(tok))
+        records.append(E.task_evaluate(models[-1], tok, items, cfg, rank, 2, torch.device("cpu"), step=5))
+    assert models[0].calls == models[1].calls == [(2, 12), (2, 12)]  # 4 slots per rank: 2 calls of 12 tokens each
+    assert records[0]["n"] + records[1]["n"] == 7  # one weight-0 repeat on rank 1 is not counted
+    correct = sum(r["exact_match"] * r["n"] for r in records)
+    assert correct == 3  # items 1, 3, 5
+    assert records[0]["examples"][0] == {"question": "q0", "expected": "8", "got": "#### 7", "correct": False}
+    assert records[0]["kind"] == "task_eval" and records[0]["task"] == "gsm8k" and records[0]["step"] == 5
+
+
+# ---- end to end -------------------------------------------------------------------------------------------------------
+
+
+@needs_gsm8k
+def test_two_worker_gsm8k_run_lowers_held_out_loss_and_scores_the_task(tmp_path, ray_cluster):
+    from job import config as config_lib
+    from job import launch
+
+    raw = tiny_run_config(
+        tmp_path,
+        data={"format": "prompt_completion", "train": str(GSM8K / "train.jsonl"),
+              "validation": {"path": str(GSM8K / "test.jsonl")}, "max_rows": 600,
+              "columns": {"prompt": "question", "completion": "answer"},
+              "prompt_template": "Question: {prompt}\nAnswer: "},
+        train={"max_steps": 60, "micro_batch_size": 4, "seq_len": 128, "lr": 3e-3, "warmup_steps": 5},
+        eval={"every_steps": 20, "max_batches": 4, "task": "gsm8k", "task_max_examples": 6, "task_batch_size": 3,
+              "task_max_new_tokens": 24, "task_log_examples": 2},
+        logging={"every_steps": 10},
+    )
+    cfg = config_lib.load_dict(raw)
+    run_dir = launch.run_directory(cfg)
+    launch.run_with_ray(cfg, launch.prepare(cfg, run_dir))
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    evals = {r["step"]: r["eval_loss"] for r in records if r["kind"] == "eval"}
+    # From the untrained baseline (step 0, about ln 512 = 6.24) the held-out loss falls at every evaluation.
+    assert list(evals) == [0, 20, 40, 60], evals
+    losses = list(evals.values())
+    assert all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 1.0, evals
+    assert losses[-1] < losses[1] - 0.2, evals  # and keeps falling after the first, easy drop
+    (task,) = [r for r in records if r["kind"] == "task_eval"]
+    assert task["step"] == 60 and task["n"] == 6 and 0 <= task["exact_match"] <= 1
+    assert len(task["examples"]) == 2 and set(task["examples"][0]) == {"question", "expected", "got", "correct"}
+    assert task["examples"][0]["question"].startswith("Question: ")
+    run_record = json.load(open(os.path.join(run_dir, "run.json")))
+    assert run_record["status"] == "succeeded"
+    assert run_record["evaluation"] == [{k: v for k, v in task.items() if k != "time"}]  # the task results
+    assert run_record["data"]["fingerprint"]["train"]["files"][0]["sha256"]
+    start = next(r for r in records if r["kind"] == "start")
+    fp = start["data"]
+    assert fp["train"]["rows_kept"] == 600 and fp["validation"]["rows_kept"] == 600 and fp["tokenizer"]["sha256"]
