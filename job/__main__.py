@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
     try:
-        cfg = config_lib.load(args.config, args.set)
+        cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
     except config_lib.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -55,6 +55,9 @@ class ModelConfig:
     (for random-init models that have no tokenizer); it is saved in the run directory."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel passed to transformers."""
+    sdpa_backend: Optional[Literal["flash", "cudnn", "efficient", "math"]] = None
+    """Restrict PyTorch's scaled-dot-product attention to one backend (null: PyTorch chooses per call).
+    `flash` takes no attention mask, so it cannot run packed documents."""
 
 
 @dataclass
@@ -334,6 +337,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("model.preset: model.init: random needs an architecture: set model.preset or model.path")
     if m.preset is not None and m.path is not None:
         raise ConfigError("model.preset: give either model.preset or model.path, not both")
+    if m.sdpa_backend is not None and m.attn_implementation != "sdpa":
+        raise ConfigError(f"model.sdpa_backend: needs model.attn_implementation: sdpa, not {m.attn_implementation}")
     if m.train_tokenizer_vocab is not None and m.tokenizer is not None:
         raise ConfigError("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
     if m.train_tokenizer_vocab is not None and m.train_tokenizer_vocab < 260:

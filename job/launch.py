@@ -9,6 +9,7 @@ Two launchers run the same `train.train_loop`:
 
 from __future__ import annotations
 
+import copy
 import os
 
 import fsspec
@@ -16,6 +17,23 @@ import fsspec
 from . import config as config_lib
 from . import data as data_lib
 from .train import train_loop
+
+
+def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
+    """The config with local relative paths made absolute, as the workers do not share the driver's working
+    directory. Model and tokenizer paths change only where they exist locally (otherwise they are hub ids)."""
+    cfg = copy.deepcopy(cfg)
+    local = lambda p: p is not None and "://" not in p and not p.startswith(("hf:", "builtin:"))  # noqa: E731
+    if local(cfg.storage_path):
+        cfg.storage_path = os.path.abspath(cfg.storage_path)
+    for source in (cfg.data.train, cfg.data.validation):
+        if source is not None and local(source.path):
+            source.path = os.path.abspath(source.path)
+    for field in ("path", "tokenizer"):
+        value = getattr(cfg.model, field)
+        if local(value) and os.path.exists(value):
+            setattr(cfg.model, field, os.path.abspath(value))
+    return cfg
 
 
 def run_directory(cfg: config_lib.RunConfig) -> str:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig, ParallelConfig
 from .data import IGNORE_INDEX
@@ -46,6 +47,14 @@ PRESETS = {
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+}
+
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
 }
 
 
@@ -88,12 +97,19 @@ class CausalLMWithLoss(nn.Module):
     weighs the same however tokens fall across micro-batches and ranks.
     """
 
-    def __init__(self, lm: nn.Module, loss_chunk_size: int = 0):
+    def __init__(self, lm: nn.Module, loss_chunk_size: int = 0, sdpa_backend: str | None = None):
         super().__init__()
         self.lm = lm
         self.loss_chunk_size = loss_chunk_size
+        self.sdpa_backend = SDPA_BACKENDS[sdpa_backend] if sdpa_backend else None
 
-    def forward(self, input_ids, labels=None, position_ids=None, attention_mask=None, max_new_tokens=0):
+    def forward(self, *args, **kwargs):
+        if self.sdpa_backend is None:
+            return self._forward(*args, **kwargs)
+        with sdpa_kernel(self.sdpa_backend):
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, input_ids, labels=None, position_ids=None, attention_mask=None, max_new_tokens=0):
         """Training/eval: `(loss_sum, n_targets)`. With `max_new_tokens`: greedy generation instead.
 
         Generation runs inside this forward so FSDP2 gathers the root parameters for it. All ranks must

@@ -93,7 +93,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
     arch = lm.config
     n_params = sum(p.numel() for p in lm.parameters())
     model = parallelize(
-        CausalLMWithLoss(lm, cfg.train.loss_chunk_size),
+        CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend),
         cfg.parallel,
         init_device_mesh(device.type, (world,)),
         bf16,

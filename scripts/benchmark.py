@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # name -> (launcher, micro-batch, parallel/train overrides). One lever at a time against `default`,
 # then `best`: every lever that helps together, and its twin under Ray Train.
+BEST = {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096, "parallel.compile": True}
 VARIANTS = {
     "hf": ("hf", 4, {}),
     "default": ("torchrun", 4, {}),
@@ -40,12 +41,11 @@ VARIANTS = {
     "chunked-ce": ("torchrun", 4, {"train.loss_chunk_size": 4096}),
     "compile": ("torchrun", 4, {"parallel.compile": True}),
     "compile-no-reshard": ("torchrun", 4, {"parallel.reshard_after_forward": False, "parallel.compile": True}),
-    "best": ("torchrun", 4, {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096,
-                             "parallel.compile": True}),
-    "best-b8": ("torchrun", 8, {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096,
-                                "parallel.compile": True}),
-    "best-ray": ("ray", 4, {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096,
-                            "parallel.compile": True}),
+    "best": ("torchrun", 4, BEST),
+    "best-b8": ("torchrun", 8, BEST),
+    "best-cudnn": ("torchrun", 4, {**BEST, "model.sdpa_backend": "cudnn"}),
+    "best-b8-cudnn": ("torchrun", 8, {**BEST, "model.sdpa_backend": "cudnn"}),
+    "best-ray": ("ray", 4, BEST),
 }
 
 

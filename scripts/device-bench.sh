@@ -2,6 +2,9 @@
 # The GPU benchmark as run on the lent 2-GPU machine (see docs/device.md and docs/benchmarks.md).
 #   scripts/device-bench.sh 1gpu [VARIANTS_GPU0 VARIANTS_GPU1]   one-GPU variants, one queue per GPU in parallel
 #   scripts/device-bench.sh 2gpu [VARIANTS]                       FSDP across both GPUs; torchrun vs Ray Train
+#   scripts/device-bench.sh gsm8k                                 real data on 2 GPUs under Ray Train: Qwen2.5-1.5B
+#       architecture (random init, BPE tokenizer trained on GSM8K), preflight, held-out and task eval; GSM8K
+#       must be carried in .devdata/gsm8k/ (cp ../shared/data/gsm8k/*.jsonl .devdata/gsm8k/)
 # Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,4 +21,13 @@ case "${1:-1gpu}" in
     tail -n 14 "$out/gpu0.log" "$out/gpu1.log" ;;
   2gpu)
     "${bench[@]}" --gpus 2 --only "${2:-hf,compile-no-reshard,best,best-ray}" --out "$out/gpu2.json" 2>&1 | tee "$out/gpu2.log" | tail -n 8 ;;
+  gsm8k)
+    python3 -m job --config examples/gsm8k.yaml --set storage_path=/tmp/runs \
+      --set data.train.path=.devdata/gsm8k/train.jsonl --set data.validation.path=.devdata/gsm8k/test.jsonl \
+      --set model.preset=qwen2.5-1.5b --set model.train_tokenizer_vocab=8192 --set scaling.use_gpu=true \
+      --set train.seq_len=1024 --set train.lr=3e-4 --set train.max_steps=150 --set eval.every_steps=50 \
+      --set parallel.compile=true --set train.loss_chunk_size=4096 --set preflight.enabled=true \
+      >"$out/gsm8k.log" 2>&1
+    echo "exit $?"; cp /tmp/runs/gsm8k-local/run.json /tmp/runs/gsm8k-local/metrics.jsonl "$out/"
+    grep -v '^ ' "$out/gsm8k.log" | grep '"kind"' | cut -c1-400 | tail -n 14 ;;
 esac
