@@ -70,6 +70,8 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
     from ray.train.torch import TorchTrainer
 
+    # Workers print their metric lines themselves; Ray's print patching would print each line twice.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     if not ray.is_initialized():
         # Inside a RayJob, RAY_ADDRESS points at the cluster; otherwise start an embedded local Ray.
         ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="WARNING")
