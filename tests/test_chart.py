@@ -189,12 +189,15 @@ def test_runtime_env_pins_match_requirements():
 
 
 def test_run_config_is_derived_from_release_storage_and_worker_groups():
-    config = run_config(render("-f", "values/eks-g6-efa.yaml", "-f", "values/synthetic.yaml", release="exp7"))
+    config = run_config(render("-f", "values/synthetic.yaml", "-f", "values/eks-g6-efa.yaml", release="exp7"))
     assert config["name"] == "exp7"
     assert config["storage_path"] == "/mnt/runs"
     assert config["scaling"] | {"max_failures": 0} == {
         "num_workers": 8, "use_gpu": True, "cpus_per_worker": 11, "max_failures": 0
     }
+    # The hardware profile, given last, fits the fastest workload settings into 24 GB L4s.
+    assert (config["train"]["micro_batch_size"], config["train"]["loss_chunk_size"]) == (1, 1024)
+    assert config["parallel"]["compile"] and config["parallel"]["reshard_after_forward"]
     assert run_config(render("--set", "storage.uri=s3://b/p"))["storage_path"] == "s3://b/p"
     cpu = run_config(render("-f", "values/cpu-smoke.yaml"))["scaling"]
     assert (cpu["num_workers"], cpu["use_gpu"], cpu["cpus_per_worker"]) == (2, False, 1)
