@@ -370,12 +370,22 @@ def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
 
 
 def train_bpe_tokenizer(documents: list[str], vocab_size: int):
-    """A byte-level BPE tokenizer trained on `documents` (deterministic), with `<|endoftext|>` as EOS and pad."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE tokenizer trained on `documents` (deterministic), with `<|endoftext|>` as EOS and pad.
+
+    It uses Qwen2's normalizer and pre-tokenizer: `AutoTokenizer` loads a tokenizer saved beside a Qwen2 config
+    as `Qwen2Tokenizer`, which rebuilds that pipeline around the saved vocabulary and merges, so an exported
+    model's tokenizer reloads with exactly the token ids it was trained on.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
