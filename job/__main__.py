@@ -3,6 +3,7 @@
     python -m job [run] --config run.yaml [--set key=value ...]   train (or preflight, per `mode`)
     python -m job compare RUN_A RUN_B                              what differs between two runs' records
     python -m job report RUN_DIR [--out DIR]                       markdown summary and plots of a run
+    python -m job accept EXPORT_DIR                                re-check an exported model (fresh process)
     python -m job schema                                           JSON Schema of the run config
 
 `run` parses the config (errors name the field and exit 2), prints the resolved config, prepares the run
@@ -16,6 +17,7 @@ import argparse
 import json
 import sys
 
+from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
 from . import launch
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         from .report import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["accept"]:
+        return _accept(argv[1:])
     if argv[:1] == ["run"]:
         argv = argv[1:]
     parser = argparse.ArgumentParser(prog="python -m job", description="FSDP2 fine-tune under Ray Train.")
@@ -46,13 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     run_dir = launch.run_directory(cfg)
-    if launch.under_torchrun():
-        loop_config = launch.prepare(cfg, run_dir)
-        launch.run_with_torchrun(loop_config)
-        return 0
-    print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
     try:
+        if launch.under_torchrun():
+            loop_config = launch.prepare(cfg, run_dir)
+            launch.run_with_torchrun(loop_config)
+            return 0
+        print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
         loop_config = launch.prepare(cfg, run_dir)
+    except checkpoint_lib.CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 1
     except data_lib.DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
@@ -62,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run failed: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _accept(argv: list[str]) -> int:
+    """`python -m job accept EXPORT_DIR`: the fresh-process check of an export (see checkpoint.accept)."""
+    parser = argparse.ArgumentParser(prog="python -m job accept", description="Check an exported model.")
+    parser.add_argument("export_dir", help="local export directory holding reference.json")
+    args = parser.parse_args(argv)
+    result = checkpoint_lib.accept(args.export_dir)
+    print(json.dumps(result, indent=1))
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -187,12 +187,31 @@ class ScalingConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0
-    """Save a checkpoint every N steps (0: only at the end)."""
+    """Save a sharded checkpoint (model, optimizer, step, data position, RNG states, config) to
+    `<storage_path>/<name>/checkpoint_<step>/` every N steps (0: only at the end; the last step always saves)."""
     keep_last: int = 2
-    """Complete checkpoints to keep."""
+    """Complete checkpoints to keep; older ones are deleted once a newer one is complete."""
     resume: str = "auto"
-    """`auto`: resume from the latest checkpoint of this run name if one exists; `never`: fail if the run
-    already has checkpoints; or a checkpoint directory/URI to start from."""
+    """`auto`: resume from the latest complete checkpoint of this run name if there is one (after a worker
+    failure, a retried job or a re-run with the same name), else start fresh; `never`: start fresh, and fail
+    if the run name already has checkpoints; any other value is a checkpoint directory or URI
+    (`.../checkpoint_00000100`) to start from, used only while this run has no checkpoint of its own. A
+    checkpoint that exists but cannot be read stops the run with an error naming it."""
+    export: bool = True
+    """At the end, save the trained model as Hugging Face safetensors (with its config and tokenizer) in
+    `<storage_path>/<name>/export/`, reload it in a fresh process and check it (see `export_tolerance`)."""
+    export_tolerance: float = 0.01
+    """Largest accepted difference (nats per token) between the held-out loss of the reloaded export and the
+    final in-training evaluation; a larger one fails the run."""
+
+
+@dataclass
+class DebugConfig:
+    fail_at_step: Optional[int] = None
+    """Fault injection for tests and drills: rank `fail_rank` kills itself (SIGKILL) when it reaches this
+    step, once per run name (a marker under `<run>/faults/` stops it from firing again after the resume)."""
+    fail_rank: int = 0
+    """Rank that dies at `fail_at_step`."""
 
 
 @dataclass
@@ -281,6 +300,8 @@ class RunConfig:
     """Metrics logging."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     """Environment and network checks before training."""
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    """Fault injection (tests and failure drills); leave unset in real runs."""
 
 
 def validate(cfg: RunConfig) -> None:
@@ -355,6 +376,18 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("parallel.compile: not supported together with parallel.cpu_offload")
     if cfg.parallel.mixed_precision == "bf16" and not cfg.scaling.use_gpu:
         raise ConfigError("parallel.mixed_precision: bf16 needs scaling.use_gpu: true (CPU runs use fp32)")
+    if not cfg.checkpoint.resume.strip():
+        raise ConfigError("checkpoint.resume: expected auto, never or a checkpoint directory/URI, got ''")
+    if cfg.checkpoint.export_tolerance <= 0:
+        raise ConfigError(f"checkpoint.export_tolerance: must be > 0, got {cfg.checkpoint.export_tolerance}")
+    if cfg.debug.fail_at_step is not None and not 1 <= cfg.debug.fail_at_step <= cfg.train.max_steps:
+        raise ConfigError(
+            f"debug.fail_at_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.fail_at_step}"
+        )
+    if not 0 <= cfg.debug.fail_rank < cfg.scaling.num_workers:
+        raise ConfigError(
+            f"debug.fail_rank: must be within [0, scaling.num_workers={cfg.scaling.num_workers}), got {cfg.debug.fail_rank}"
+        )
     if cfg.eval.sample_prompt is not None and cfg.data.format == "synthetic":
         raise ConfigError("eval.sample_prompt: synthetic data has no tokenizer to encode a prompt")
 

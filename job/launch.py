@@ -14,6 +14,7 @@ import os
 
 import fsspec
 
+from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
 from .train import train_loop
@@ -45,8 +46,10 @@ def run_directory(cfg: config_lib.RunConfig) -> str:
 def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
 
-    Returns the workers' `loop_config`, without the launcher name.
+    Returns the workers' `loop_config`, without the launcher name. Raises `CheckpointError` first when
+    `checkpoint.resume` forbids starting (`never` on a run name that has checkpoints, a missing start point).
     """
+    checkpoint_lib.check_before_start(cfg, run_dir)
     # Read and check every data source here, before any worker starts: a missing path, bad row or unreachable
     # hub id fails now with the source named. The training text also trains the tokenizer, if one is asked for.
     corpus = data_lib.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
@@ -67,7 +70,7 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
 def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
     from ray.train.torch import TorchTrainer
 
     # Workers print their metric lines themselves; Ray's print patching would print each line twice.
@@ -84,8 +87,13 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
         ),
+        # Same name + storage_path = same run: Ray Train reloads its checkpoint snapshot from there, so a restarted
+        # driver (retried RayJob, helm upgrade, re-run) hands the latest checkpoint to ray.train.get_checkpoint().
         run_config=RunConfig(
-            name=name, storage_path=storage, failure_config=FailureConfig(max_failures=cfg.scaling.max_failures)
+            name=name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
         ),
     )
     try:

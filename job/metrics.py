@@ -44,13 +44,16 @@ class MetricsLogger:
 
     The file is rewritten whole at each record through fsspec, so the same code writes local paths and object
     storage (which cannot append); metric logs are small. Existing lines are kept, so a resumed run continues
-    the file.
+    the file; records of steps past `keep_until_step` (the step the run resumed from, 0 when starting fresh)
+    are dropped, so steps recomputed after a resume appear once.
     """
 
-    def __init__(self, run_dir: str, max_steps: int, progress_bar: str):
+    def __init__(self, run_dir: str, max_steps: int, progress_bar: str, keep_until_step: int | None = None):
         self.path = f"{run_dir}/metrics.jsonl"
         fs, path = fsspec.core.url_to_fs(self.path)
         self.lines = fs.cat_file(path).decode().splitlines() if fs.exists(path) else []
+        if keep_until_step is not None:
+            self.lines = [line for line in self.lines if json.loads(line).get("step", 0) <= keep_until_step]
         show = progress_bar == "on" or (progress_bar == "auto" and sys.stderr.isatty())
         self.bar = None
         if show:

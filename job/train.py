@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
 from . import evidence
@@ -78,6 +79,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
     """Builds data and model, trains, evaluates. Returns results for the run record (rank 0's are used)."""
     run_dir = loop_config["run_dir"]
     rank, world = dist.get_rank(), dist.get_world_size()
+    checkpoint_lib.write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
     # ---- Tokenizer and data: every rank builds the same packed blocks, then reads only its shard of them.
@@ -100,22 +102,35 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
     )
     optimizer, schedule = build_optimizer(model, cfg.train, device)
 
-    # ---- Batches: a pure function of (seed, rank, micro-batch index), so a resumed run sees the same data.
+    # ---- Resume: the run's latest complete checkpoint (or checkpoint.resume's), resharded onto this world size.
     accum, mb, seq = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.train.seq_len
-    start_step = 0
+    start_step, start_micro, resumed = 0, 0, None
     task_results, items = [], task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else []
+    resume_from = checkpoint_lib.find_resume_point(cfg, run_dir, loop_config["launcher"])
+    if resume_from is not None:
+        resumed = checkpoint_lib.restore(resume_from, model, optimizer, cfg)
+        start_step = resumed["step"]
+        start_micro, data_exact = checkpoint_lib.data_start(
+            resumed, cfg, world, len(dataset.train) if dataset.train is not None else None)
+
+    # ---- Batches: a pure function of (seed, rank, micro-batch index), so a resumed run sees the same data.
+    vocab = cfg.data.synthetic_vocab or arch.vocab_size
     if dataset.train is None:
-        vocab = cfg.data.synthetic_vocab or arch.vocab_size
-        batches = data_lib.synthetic_batches(vocab, mb, seq, rank, cfg.train.seed, start=start_step * accum)
+        batches = data_lib.synthetic_batches(vocab, mb, seq, rank, cfg.train.seed, start=start_micro)
     else:
-        batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_step * accum)
+        batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_micro)
 
     flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
     peak = peak_flops(device, cfg.logging.peak_flops)
-    logger = MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar) if rank == 0 else None
+    logger = (MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar, keep_until_step=start_step)
+              if rank == 0 else None)
     if logger:
         logger.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
                     "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
+        if resumed is not None:
+            logger.log({"kind": "resume", "step": start_step, "checkpoint": resume_from,
+                        "saved_world_size": resumed["world_size"], "micro_batch_index": start_micro,
+                        "data_exact": data_exact})
 
     # Running sums since the last log, kept on the device: reading them (.item()) is the only host sync.
     loss_sum = torch.zeros((), device=device)
@@ -124,15 +139,19 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def log_eval(step: int) -> None:
-        if dataset.validation is not None:
-            eval_loss = evaluate(model, dataset.validation, cfg, rank, world, device)
-            if logger:
-                logger.log({"kind": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
+    def log_eval(step: int) -> float | None:
+        if dataset.validation is None:
+            return None
+        eval_loss = evaluate(model, dataset.validation, cfg, rank, world, device)
+        if logger:
+            logger.log({"kind": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
+        return eval_loss
 
     if cfg.eval.every_steps and start_step == 0:
         log_eval(0)  # the untrained baseline that later evaluations are read against
+    final_eval = None
     for step in range(start_step + 1, cfg.train.max_steps + 1):
+        checkpoint_lib.maybe_fail(cfg, step, rank, run_dir)
         lr = schedule(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -176,16 +195,33 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
             interval_tokens, interval_start = 0, time.perf_counter()
 
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps:
-            log_eval(step)
+            eval_loss = log_eval(step)
+            final_eval = eval_loss if step == cfg.train.max_steps else None
         if cfg.eval.task and (step % (cfg.eval.task_every_steps or cfg.train.max_steps) == 0 or step == cfg.train.max_steps):
             task_results.append(task_evaluate(model, tokenizer, items, cfg.eval, rank, world, device, step))
             if logger:
                 logger.log(task_results[-1])
 
+        if checkpoint_lib.due(step, cfg):
+            checkpoint_lib.save(step, model, optimizer, cfg, run_dir, loop_config["launcher"])
+
     if cfg.eval.sample_prompt is not None:
         text = generate_sample(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, device)
         if logger:
             logger.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
+    # ---- Export: full weights gathered on rank 0 only, saved as safetensors, reloaded and checked in a fresh
+    # process against the final held-out loss (measured here when the loop did not, e.g. a finished run re-run).
+    if cfg.checkpoint.export and not checkpoint_lib.export_is_valid(run_dir, cfg.train.max_steps):
+        heldout = dataset.validation if dataset.validation is not None else checkpoint_lib.synthetic_heldout(vocab, cfg, world)
+        if final_eval is None or dataset.validation is None:
+            final_eval = evaluate(model, heldout, cfg, rank, world, device)
+        accepted = checkpoint_lib.export(model, tokenizer, cfg, run_dir, {
+            "eval_loss": final_eval, "step": cfg.train.max_steps, "world_size": world, "bf16": bf16, "vocab": vocab,
+            "heldout": "validation" if dataset.validation is not None else "synthetic"})
+        if logger:
+            logger.log({"kind": "export", "step": cfg.train.max_steps, "dir": accepted["export_dir"],
+                        "eval_loss": accepted["eval_loss"], "reference_eval_loss": final_eval,
+                        "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"]})
     if logger:
         logger.close()
     return {"evaluation": task_results} if cfg.eval.task else {}
