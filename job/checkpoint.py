@@ -318,6 +318,7 @@ def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
     """Loads a checkpoint into the sharded model and optimizer (any world size: DCP reshards) and this rank's
     RNG states; returns its train state. Any problem raises `CheckpointError` naming the checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     try:
@@ -333,7 +334,7 @@ def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=_reader(uri))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"checkpoint {uri}: cannot be read ({type(e).__name__}: {first[:500]})") from e
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
