@@ -1,0 +1,287 @@
+"""Checkpoints, exact resume, fault tolerance and the checked export, on 2 CPU Ray Train workers.
+
+One uninterrupted reference run (module fixture) is compared with runs that lose a worker (SIGKILL from
+outside, or the fault-injection switch), fail and are re-run under the same name, or resume on fewer workers:
+after every resume the per-step losses must equal the reference's and no more than one checkpoint interval may
+be recomputed.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_run_config
+from job import checkpoint as checkpoint_lib
+from job import config as config_lib
+from job import launch
+
+MAX_STEPS = 20
+EVERY = 4
+
+
+def _config(tmp_path: Path, name: str, **sections) -> config_lib.RunConfig:
+    raw = tiny_run_config(tmp_path, name=name, **sections)
+    raw["train"].update({"max_steps": MAX_STEPS, "warmup_steps": 2, **sections.get("train", {})})
+    raw["logging"] = {"every_steps": 1}
+    raw.setdefault("checkpoint", {}).setdefault("every_steps", EVERY)
+    raw["checkpoint"].setdefault("export", False)
+    return config_lib.load_dict(raw)
+
+
+def _run(cfg: config_lib.RunConfig) -> str:
+    run_dir = launch.run_directory(cfg)
+    launch.run_with_ray(cfg, launch.prepare(cfg, run_dir))
+    return run_dir
+
+
+def _records(run_dir: str, kind: str) -> list[dict]:
+    with open(f"{run_dir}/metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if r.get("kind") == kind]
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    train = _records(run_dir, "train")
+    steps = [r["step"] for r in train]
+    assert len(steps) == len(set(steps)), f"duplicated steps in metrics.jsonl: {steps}"
+    return {r["step"]: r["loss"] for r in train}
+
+
+def _final_weights(run_dir: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = f"{run_dir}/final.pt"
+    dcp_to_torch_save(f"{run_dir}/{checkpoint_lib.step_dir(MAX_STEPS)}", out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+def _assert_same_training(run_dir: str, reference: str, atol: float = 1e-6) -> None:
+    losses, expected = _losses(run_dir), _losses(reference)
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1))
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=0, abs=atol), f"step {step}"
+    got, want = _final_weights(run_dir), _final_weights(reference)
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=atol * 10, msg=key)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):
+    """The uninterrupted run (with its export) every resumed run must reproduce."""
+    cfg = _config(tmp_path_factory.mktemp("ref"), "reference", checkpoint={"export": True},
+                  eval={"sample_prompt": "The for statement", "sample_tokens": 8})
+    return _run(cfg)
+
+
+def test_reference_run_layout(reference):
+    steps = [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(reference)]
+    assert steps == [(16, True), (20, True)], "keep_last=2 complete checkpoints, older ones deleted by Ray"
+    state = json.load(open(f"{reference}/checkpoint_00000020/train_state.json"))
+    assert state["step"] == 20 and state["world_size"] == 2
+    assert state["data"]["micro_batch_index"] == 20
+    assert sorted(os.listdir(f"{reference}/checkpoint_00000020/rng")) == ["rank00000.pt", "rank00001.pt"]
+    assert not _records(reference, "resume")
+
+
+def test_sigkill_worker_resumes_exactly(reference, tmp_path):
+    """A worker process SIGKILLed from outside mid-run: Ray restarts the group from the latest checkpoint."""
+    cfg = _config(tmp_path, "killed", scaling={"num_workers": 2, "max_failures": 1})
+    run_dir = launch.run_directory(cfg)
+    killed = {}
+
+    def kill_rank1_mid_run():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                steps = [r["step"] for r in _records(run_dir, "train")]
+                pid = int(Path(run_dir, "workers", "rank1.pid").read_text())
+            except (OSError, ValueError):
+                steps = []
+            if steps and steps[-1] >= EVERY + 1:
+                os.kill(pid, signal.SIGKILL)
+                killed.update(step=steps[-1], pid=pid)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=kill_rank1_mid_run, daemon=True)
+    watcher.start()
+    _run(cfg)
+    watcher.join()
+    assert killed and killed["step"] < MAX_STEPS, "the worker was killed before the run ended"
+    (resume,) = _records(run_dir, "resume")
+    assert resume["step"] % EVERY == 0 and resume["step"] >= EVERY
+    assert killed["step"] - resume["step"] <= EVERY, f"more than one checkpoint interval recomputed: {killed}, {resume}"
+    assert int(Path(run_dir, "workers", "rank1.pid").read_text()) != killed["pid"], "rank 1 is a new process"
+    _assert_same_training(run_dir, reference)
+
+
+def test_fault_injection_recovers_in_run(reference, tmp_path):
+    cfg = _config(tmp_path, "injected", scaling={"num_workers": 2, "max_failures": 1},
+                  debug={"fail_at_step": 7, "fail_rank": 1})
+    run_dir = _run(cfg)
+    (resume,) = _records(run_dir, "resume")
+    assert resume["step"] == 4 and resume["data_exact"]
+    assert os.path.exists(f"{run_dir}/faults/step7-rank1")
+    _assert_same_training(run_dir, reference)
+
+
+def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
+    """No retries left: the job fails; re-running it (a retried RayJob, a restarted driver) continues it."""
+    cfg = _config(tmp_path, "retried", debug={"fail_at_step": 10, "fail_rank": 0})
+    with pytest.raises(Exception):
+        _run(cfg)
+    run_dir = launch.run_directory(cfg)
+    assert checkpoint_lib.latest_complete(run_dir).endswith("checkpoint_00000008")
+    _run(cfg)  # a new driver: Ray Train reloads its checkpoint snapshot of this run name
+    (resume,) = _records(run_dir, "resume")
+    assert resume["step"] == 8
+    _assert_same_training(run_dir, reference)
+
+
+def test_resume_never_refuses_an_existing_run(reference, tmp_path):
+    cfg = config_lib.load_dict({**tiny_run_config(tmp_path), "name": os.path.basename(reference),
+                                "storage_path": os.path.dirname(reference), "checkpoint": {"resume": "never"}})
+    with pytest.raises(checkpoint_lib.CheckpointError, match=f"resume: never, but run {reference} already has"):
+        launch.prepare(cfg, launch.run_directory(cfg))
+    fresh = config_lib.load_dict({**tiny_run_config(tmp_path), "name": "new", "checkpoint": {"resume": "never"}})
+    launch.prepare(fresh, launch.run_directory(fresh))  # a new name starts
+
+
+def test_resume_two_workers_onto_one(reference, tmp_path):
+    """DCP reshards the 2-worker checkpoint onto 1 worker; with grad_accum 2 the global batches are the same
+    blocks, so the losses continue the reference's (up to float summation order)."""
+    cfg = _config(tmp_path, "one-worker", scaling={"num_workers": 1},
+                  train={"grad_accum_steps": 2}, checkpoint={"resume": f"{reference}/checkpoint_00000016"})
+    run_dir = _run(cfg)
+    (resume,) = _records(run_dir, "resume")
+    assert resume["step"] == 16 and resume["saved_world_size"] == 2
+    assert resume["micro_batch_index"] == 32 and resume["data_exact"]
+    losses, expected = _losses(run_dir), _losses(reference)
+    assert sorted(losses) == [17, 18, 19, 20]
+    for step in losses:
+        assert losses[step] == pytest.approx(expected[step], abs=1e-4), f"step {step}"
+
+
+def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = f"{reference}/export"
+    acceptance = json.load(open(f"{export}/acceptance.json"))
+    final_eval = [r for r in _records(reference, "eval") if r["step"] == MAX_STEPS][-1]["eval_loss"]
+    assert acceptance["ok"] and os.path.exists(f"{export}/_VALID")
+    assert acceptance["reference_eval_loss"] == final_eval
+    assert acceptance["eval_loss"] == pytest.approx(final_eval, abs=1e-5)
+    assert len(acceptance["generation"]["token_ids"]) == 8
+    model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert AutoTokenizer.from_pretrained(export)("The for statement")["input_ids"]
+    # The exported weights are the final checkpoint's, gathered from both shards.
+    final = {k.removeprefix("lm."): v for k, v in _final_weights(reference).items()}
+    state = model.state_dict()
+    for key, value in final.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    # The check can fail: damaged weights are rejected by a fresh `python -m job accept`, without a marker.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(export, damaged)
+    os.remove(damaged / "_VALID")
+    weights = load_file(damaged / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 3
+    from safetensors.torch import save_file
+
+    save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
+    proc = subprocess.run([sys.executable, "-m", "job", "accept", str(damaged)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = json.load(open(damaged / "acceptance.json"))
+    assert not result["ok"] and "checkpoint.export_tolerance" in result["error"]
+
+
+# ---- Single-process checks (no Ray): unreadable checkpoints, object-store paths, the torchrun layout.
+
+
+@pytest.fixture
+def single_process(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded_model(cfg: config_lib.RunConfig):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from job.model import CausalLMWithLoss, build_causal_lm, parallelize
+    from job.train import build_optimizer
+
+    lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
+    model = parallelize(CausalLMWithLoss(lm), cfg.parallel, init_device_mesh("cpu", (1,)), False)
+    optimizer, _ = build_optimizer(model, cfg.train, torch.device("cpu"))
+    return model, optimizer
+
+
+def test_unreadable_checkpoints_fail_naming_the_path(reference, tmp_path, single_process):
+    cfg = _config(tmp_path, "broken", scaling={"num_workers": 1})
+    broken = str(tmp_path / "checkpoint_00000020")
+    shutil.copytree(f"{reference}/checkpoint_00000020", broken)
+    model, optimizer = _sharded_model(cfg)
+    assert checkpoint_lib.restore(broken, model, optimizer, cfg)["step"] == 20  # intact: loads (2 -> 1 worker)
+    shard = f"{broken}/__1_0.distcp"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(checkpoint_lib.CheckpointError, match=f"checkpoint {broken}: cannot be read"):
+        checkpoint_lib.restore(broken, model, optimizer, cfg)
+    other = _config(tmp_path, "other", scaling={"num_workers": 1},
+                    model={"overrides": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64}})
+    model, optimizer = _sharded_model(other)
+    with pytest.raises(checkpoint_lib.CheckpointError, match=f"{reference}/checkpoint_00000020: saved for another"):
+        checkpoint_lib.restore(f"{reference}/checkpoint_00000020", model, optimizer, other)
+    # An interrupted save (no _COMPLETE marker) is never resumed from, and an explicit start point is refused.
+    os.remove(f"{broken}/_COMPLETE")
+    assert checkpoint_lib.list_checkpoints(str(tmp_path)) == [(20, broken, False)]
+    assert checkpoint_lib.latest_complete(str(tmp_path)) is None
+    with pytest.raises(checkpoint_lib.CheckpointError, match="incomplete"):
+        checkpoint_lib.find_resume_point(_config(tmp_path, "x", checkpoint={"resume": broken}), str(tmp_path), "torchrun")
+
+
+def test_torchrun_layout_on_object_storage(tmp_path, single_process):
+    """The torchrun path (no Ray) on an fsspec object store: save, keep_last, resume scan, exact restore."""
+    cfg = _config(tmp_path, "mem", scaling={"num_workers": 1}, checkpoint={"keep_last": 2})
+    run_dir = "memory://runs/mem"
+    model, optimizer = _sharded_model(cfg)
+    for step in (4, 8, 12):
+        rng = torch.get_rng_state()
+        checkpoint_lib.save(step, model, optimizer, cfg, run_dir, "torchrun")
+    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(8, True), (12, True)]
+    assert checkpoint_lib.find_resume_point(cfg, run_dir, "torchrun") == f"{run_dir}/checkpoint_00000012"
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    fresh_model, fresh_optimizer = _sharded_model(_config(tmp_path, "mem", scaling={"num_workers": 1},
+                                                          train={"seed": 5}))
+    state = checkpoint_lib.restore(f"{run_dir}/checkpoint_00000012", fresh_model, fresh_optimizer, cfg)
+    assert state["step"] == 12
+    for key, value in fresh_model.state_dict().items():
+        torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), rng), "RNG state restored from the checkpoint"
+
+
+def test_config_switches():
+    base = tiny_run_config(Path("/tmp"))
+    with pytest.raises(config_lib.ConfigError, match="debug.fail_rank"):
+        config_lib.load_dict({**base, "debug": {"fail_at_step": 3, "fail_rank": 2}})
+    with pytest.raises(config_lib.ConfigError, match="debug.fail_at_step"):
+        config_lib.load_dict({**base, "debug": {"fail_at_step": 999}})
+    props = config_lib.json_schema()["properties"]
+    assert {"fail_at_step", "fail_rank"} <= set(props["debug"]["properties"])
+    assert {"every_steps", "keep_last", "resume", "export", "export_tolerance"} <= set(props["checkpoint"]["properties"])
+    assert math.isclose(config_lib.load_dict(base).checkpoint.export_tolerance, 0.01)
