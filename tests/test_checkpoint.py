@@ -38,9 +38,10 @@ def _config(tmp_path: Path, name: str, **sections) -> config_lib.RunConfig:
     return config_lib.load_dict(raw)
 
 
-def _run(cfg: config_lib.RunConfig) -> str:
+def _run(cfg: config_lib.RunConfig, fails: bool = False) -> str:
     run_dir = launch.run_directory(cfg)
-    launch.run_with_ray(cfg, launch.prepare(cfg, run_dir))
+    error = launch.run_with_ray(cfg, launch.prepare(cfg, run_dir))
+    assert bool(error) == fails, error
     return run_dir
 
 
@@ -138,9 +139,7 @@ def test_fault_injection_recovers_in_run(reference, tmp_path):
 def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     """No retries left: the job fails; re-running it (a retried RayJob, a restarted driver) continues it."""
     cfg = _config(tmp_path, "retried", debug={"fail_at_step": 10, "fail_rank": 0})
-    with pytest.raises(Exception):
-        _run(cfg)
-    run_dir = launch.run_directory(cfg)
+    run_dir = _run(cfg, fails=True)
     assert checkpoint_lib.latest_complete(run_dir).endswith("checkpoint_00000008")
     _run(cfg)  # a new driver: Ray Train reloads its checkpoint snapshot of this run name
     (resume,) = _records(run_dir, "resume")
