@@ -166,24 +166,29 @@ def _require_complete(uri: str) -> None:
 
 
 def find_resume_point(cfg: config_lib.RunConfig, run_dir: str, launcher: str) -> str | None:
-    """The checkpoint this worker group starts from, or None to start fresh.
+    """The checkpoint this worker group starts from, or None to start fresh (collective under Ray).
 
     The run's own latest checkpoint always wins (a worker-group restart, a retried job, a driver restart, a
-    re-run of the same name): under Ray the one `ray.train.get_checkpoint()` returns, else the newest complete
-    directory of the run. Only a run without checkpoints of its own starts from an explicit `resume` URI.
-    (`resume: never` was checked by the driver before the run started, so anything found here is this run's.)
+    re-run of the same name): the newer of the one `ray.train.get_checkpoint()` returns and the newest complete
+    directory of the run. The latter can be newer when a worker died after the checkpoint was complete but
+    before Ray registered its report, or when torchrun wrote it; Ray is then told about it (reported again), so
+    that it counts towards `keep_last`. Only a run without checkpoints of its own starts from an explicit
+    `resume` URI. (`resume: never` was checked by the driver before the run started, so anything found here is
+    this run's.)
     """
-    own = None
+    reported = None
     if launcher == "ray":
         import ray.train
 
-        reported = ray.train.get_checkpoint()
-        if reported is not None:
-            own = _join(run_dir, reported.path.rstrip("/").rsplit("/", 1)[-1])
-    if own is None:
-        own = latest_complete(run_dir)
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None:
+            reported = _join(run_dir, checkpoint.path.rstrip("/").rsplit("/", 1)[-1])
+    on_disk = latest_complete(run_dir)
+    own = max((u for u in (reported, on_disk) if u), key=lambda u: int(u.rsplit(PREFIX, 1)[-1]), default=None)
     if own is not None:
         _require_complete(own)
+        if launcher == "ray" and own != reported:
+            _ray_report(own.rsplit("/", 1)[-1], {"step": int(own.rsplit(PREFIX, 1)[-1]), "adopted": True})
         return own
     policy = cfg.checkpoint.resume
     if policy in ("auto", "never"):
@@ -276,15 +281,7 @@ def save(step: int, model, optimizer, cfg: config_lib.RunConfig, run_dir: str, l
         _write_bytes(_join(uri, STATE), json.dumps(state, indent=1).encode())
         _write_bytes(_join(uri, COMPLETE), b"")  # last: the checkpoint is complete from here on
     if launcher == "ray":
-        import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
-
-        checkpoint = None
-        if rank == 0:
-            storage = ray.train.get_context().get_storage()
-            checkpoint = Checkpoint(path=f"{storage.experiment_fs_path}/{name}", filesystem=storage.storage_filesystem)
-        ray.train.report({**(metrics or {}), "step": step}, checkpoint=checkpoint, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        _ray_report(name, {**(metrics or {}), "step": step})
         if rank == 0:
             _prune(run_dir, None, keep_before=step)
     else:
@@ -292,6 +289,20 @@ def save(step: int, model, optimizer, cfg: config_lib.RunConfig, run_dir: str, l
         if rank == 0:
             _prune(run_dir, cfg.checkpoint.keep_last, keep_before=step)
     return uri
+
+
+def _ray_report(name: str, metrics: dict) -> None:
+    """Reports the complete checkpoint directory `name` of the run to Ray Train, in place (no upload): every
+    rank calls it (it is a barrier); rank 0 passes the checkpoint."""
+    import ray.train
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    checkpoint = None
+    if dist.get_rank() == 0:
+        storage = ray.train.get_context().get_storage()
+        checkpoint = Checkpoint(path=f"{storage.experiment_fs_path}/{name}", filesystem=storage.storage_filesystem)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
 
 def _torch_bytes(obj) -> bytes:

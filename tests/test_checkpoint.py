@@ -145,6 +145,8 @@ def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     (resume,) = _records(run_dir, "resume")
     assert resume["step"] == 8
     _assert_same_training(run_dir, reference)
+    # Whether or not Ray registered checkpoint 8 before the worker died, it is pruned like any other.
+    assert [s for s, _, _ in checkpoint_lib.list_checkpoints(run_dir)] == [16, 20]
 
 
 def test_resume_never_refuses_an_existing_run(reference, tmp_path):
