@@ -70,7 +70,7 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
 def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, WorkerGroupError
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
     from ray.train.torch import TorchTrainer
 
     # Workers print their metric lines themselves; Ray's print patching would print each line twice.
@@ -100,6 +100,8 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
         trainer.fit()
     except WorkerGroupError as e:
         return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in sorted(e.worker_failures.items()))
+    except TrainingFailedError as e:  # e.g. a worker process lost with no `scaling.max_failures` left
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:2000]}"
     return None
 
 
