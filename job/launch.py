@@ -27,6 +27,8 @@ def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
     local = lambda p: p is not None and "://" not in p and not p.startswith(("hf:", "builtin:"))  # noqa: E731
     if local(cfg.storage_path):
         cfg.storage_path = os.path.abspath(cfg.storage_path)
+    if cfg.checkpoint.resume not in ("auto", "never") and local(cfg.checkpoint.resume):
+        cfg.checkpoint.resume = os.path.abspath(cfg.checkpoint.resume)
     for source in (cfg.data.train, cfg.data.validation):
         if source is not None and local(source.path):
             source.path = os.path.abspath(source.path)

@@ -128,9 +128,10 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
         logger.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
                     "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
         if resumed is not None:
-            logger.log({"kind": "resume", "step": start_step, "checkpoint": resume_from,
-                        "saved_world_size": resumed["world_size"], "micro_batch_index": start_micro,
-                        "data_exact": data_exact})
+            resume_record = {"step": start_step, "checkpoint": resume_from, "saved_world_size": resumed["world_size"],
+                             "micro_batch_index": start_micro, "data_exact": data_exact}
+            logger.log({"kind": "resume", **resume_record})
+            evidence.update_record(run_dir, record, resumed_from=resume_record)
 
     # Running sums since the last log, kept on the device: reading them (.item()) is the only host sync.
     loss_sum = torch.zeros((), device=device)
@@ -149,7 +150,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
 
     if cfg.eval.every_steps and start_step == 0:
         log_eval(0)  # the untrained baseline that later evaluations are read against
-    final_eval = None
+    final_eval, latest_checkpoint, accepted = None, resume_from, None
     for step in range(start_step + 1, cfg.train.max_steps + 1):
         checkpoint_lib.maybe_fail(cfg, step, rank, run_dir)
         lr = schedule(step)
@@ -203,7 +204,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
                 logger.log(task_results[-1])
 
         if checkpoint_lib.due(step, cfg):
-            checkpoint_lib.save(step, model, optimizer, cfg, run_dir, loop_config["launcher"])
+            latest_checkpoint = checkpoint_lib.save(step, model, optimizer, cfg, run_dir, loop_config["launcher"])
 
     if cfg.eval.sample_prompt is not None:
         text = generate_sample(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, device)
@@ -224,7 +225,12 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
                         "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"]})
     if logger:
         logger.close()
-    return {"evaluation": task_results} if cfg.eval.task else {}
+    results = {"checkpoints": {"dir": run_dir, "latest": latest_checkpoint, "keep_last": cfg.checkpoint.keep_last}}
+    if accepted is not None:
+        results["export"] = accepted
+    if cfg.eval.task:
+        results["evaluation"] = task_results
+    return results
 
 
 def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device: torch.device):
