@@ -170,6 +170,9 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state in host memory."""
     compile: bool = False
     """`torch.compile` each decoder layer."""
+    shard_group_size: int = 0
+    """Hybrid sharding (HSDP): shard the model within groups of this many workers (e.g. the GPUs of one node)
+    and replicate it across groups, so only gradient all-reduces cross groups; 0 shards across all workers."""
 
 
 @dataclass
@@ -372,6 +375,11 @@ def validate(cfg: RunConfig) -> None:
         )
     if not cfg.preflight.sizes_mib or min(cfg.preflight.sizes_mib) <= 0:
         raise ConfigError(f"preflight.sizes_mib: expected a non-empty list of sizes > 0, got {cfg.preflight.sizes_mib}")
+    group = cfg.parallel.shard_group_size
+    if group < 0 or (group and cfg.scaling.num_workers % group):
+        raise ConfigError(
+            f"parallel.shard_group_size: {group} must be 0 or divide scaling.num_workers ({cfg.scaling.num_workers})"
+        )
     if cfg.parallel.cpu_offload and cfg.parallel.compile:
         raise ConfigError("parallel.compile: not supported together with parallel.cpu_offload")
     if cfg.parallel.mixed_precision == "bf16" and not cfg.scaling.use_gpu:

@@ -144,6 +144,19 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def device_mesh(device_type: str, world: int, shard_group_size: int) -> DeviceMesh:
+    """FSDP's mesh: 1-D (shard across all workers), or 2-D (replicate, shard) for hybrid sharding, where each
+    group of `shard_group_size` consecutive ranks (Ray and torchrun number a node's workers consecutively)
+    holds one sharded copy and gradients are all-reduced across the copies."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shard_group_size in (0, world):
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(
+        device_type, (world // shard_group_size, shard_group_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
 def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, bf16: bool) -> CausalLMWithLoss:
     """Applies FSDP2: `fully_shard` on each decoder layer, then on the root (embeddings, final norm, head).
 

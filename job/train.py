@@ -15,7 +15,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
@@ -23,7 +22,7 @@ from . import data as data_lib
 from . import evidence
 from .evaluate import evaluate, task_evaluate, task_items
 from .metrics import MetricsLogger, flops_per_token, peak_flops
-from .model import CausalLMWithLoss, build_causal_lm, load_tokenizer, parallelize
+from .model import CausalLMWithLoss, build_causal_lm, device_mesh, load_tokenizer, parallelize
 
 
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
@@ -94,10 +93,11 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
         lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
     arch = lm.config
     n_params = sum(p.numel() for p in lm.parameters())
+    mesh = device_mesh(device.type, world, cfg.parallel.shard_group_size)
     model = parallelize(
         CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend),
         cfg.parallel,
-        init_device_mesh(device.type, (world,)),
+        mesh,
         bf16,
     )
     optimizer, schedule = build_optimizer(model, cfg.train, device)
@@ -126,7 +126,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
               if rank == 0 else None)
     if logger:
         logger.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
-                    "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
+                    "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
         if resumed is not None:
             resume_record = {"step": start_step, "checkpoint": resume_from, "saved_world_size": resumed["world_size"],
                              "micro_batch_index": start_micro, "data_exact": data_exact}

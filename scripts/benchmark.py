@@ -46,6 +46,7 @@ VARIANTS = {
     "best-cudnn": ("torchrun", 4, {**BEST, "model.sdpa_backend": "cudnn"}),
     "best-b8-cudnn": ("torchrun", 8, {**BEST, "model.sdpa_backend": "cudnn"}),
     "best-ray": ("ray", 4, BEST),
+    "best-cudnn-hsdp": ("torchrun", 4, {**BEST, "model.sdpa_backend": "cudnn", "parallel.shard_group_size": 1}),
 }
 
 

@@ -71,17 +71,34 @@ def test_synthetic_run_logs_throughput_and_mfu(tmp_path, ray_cluster):
     assert metrics(run_dir, "eval") == []  # synthetic data has no held-out split
 
 
+def run_with_torchrun(raw: dict, storage) -> str:
+    raw = {**raw, "storage_path": str(storage)}
+    config_path = storage.parent / f"{storage.name}.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(raw["scaling"]["num_workers"]), "-m", "job", "--config", str(config_path)],
+        cwd=REPO, check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    return str(storage / raw["name"])
+
+
 def test_torchrun_and_ray_give_the_same_losses(tmp_path, ray_cluster):
     raw = tiny_run_config(tmp_path, train={"max_steps": 8, "warmup_steps": 2}, logging={"every_steps": 2})
     ray_losses = [r["loss"] for r in metrics(run_with_ray(raw), "train")]
-
-    raw["storage_path"] = str(tmp_path / "torchrun")
-    config_path = tmp_path / "run.yaml"
-    config_path.write_text(yaml.safe_dump(raw))
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "job", "--config", str(config_path)],
-        cwd=REPO, check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    torchrun_losses = [r["loss"] for r in metrics(str(tmp_path / "torchrun" / "test-run"), "train")]
+    torchrun_losses = [r["loss"] for r in metrics(run_with_torchrun(raw, tmp_path / "torchrun"), "train")]
     assert len(ray_losses) == 4
     assert torchrun_losses == pytest.approx(ray_losses, rel=1e-5)
+
+
+def test_hybrid_sharding_matches_full_sharding(tmp_path):
+    """HSDP with one-worker shard groups (replicated weights, all-reduced gradients) trains the same model."""
+    raw = tiny_run_config(tmp_path, train={"max_steps": 6, "warmup_steps": 2}, logging={"every_steps": 2},
+                          checkpoint={"export": False})
+    full_dir = run_with_torchrun(raw, tmp_path / "full")
+    raw["parallel"] = {"shard_group_size": 1}
+    hybrid_dir = run_with_torchrun(raw, tmp_path / "hybrid")
+    assert metrics(full_dir, "start")[0]["mesh"] == [2] and metrics(hybrid_dir, "start")[0]["mesh"] == [2, 1]
+    full, hybrid = metrics(full_dir, "train"), metrics(hybrid_dir, "train")
+    assert [r["loss"] for r in hybrid] == pytest.approx([r["loss"] for r in full], rel=1e-5)
+    assert [r["grad_norm"] for r in hybrid] == pytest.approx([r["grad_norm"] for r in full], rel=1e-4)
