@@ -19,7 +19,8 @@ import torch.distributed as dist
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
-from . import evidence
+from . import evidence, nccl
+from . import preflight as preflight_lib
 from .evaluate import evaluate, task_evaluate, task_items
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .model import CausalLMWithLoss, build_causal_lm, device_mesh, load_tokenizer, parallelize
@@ -40,7 +41,7 @@ def train_loop(loop_config: dict) -> None:
     cfg = config_lib.load_dict(loop_config["config"])
     run_dir = loop_config["run_dir"]
     nccl_log_dir = os.path.join(tempfile.gettempdir(), "job-nccl", cfg.name)
-    evidence.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
+    nccl.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
     device = _setup_distributed(loop_config["launcher"], cfg.scaling.use_gpu)
     rank = dist.get_rank()
 
@@ -48,9 +49,9 @@ def train_loop(loop_config: dict) -> None:
     record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
                        seed=cfg.train.seed, runtime_env=loop_config.get("runtime_env"))
     try:
-        preflight = evidence.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT, device,
-                                           log_dir=nccl_log_dir)
-    except evidence.PreflightError as exc:
+        preflight = preflight_lib.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT, device,
+                                                log_dir=nccl_log_dir)
+    except preflight_lib.PreflightError as exc:
         if rank == 0:
             record = evidence.start_record(run_dir, preflight=exc.result, **record_args)
             evidence.finish_record(run_dir, record, status="failed", error=exc)

@@ -1,4 +1,5 @@
-"""Tests of job/evidence.py: NCCL log parsing, preflight on gloo, run record, pod image, compare."""
+"""Tests of job/nccl.py (NCCL log parsing), job/preflight.py (preflight on gloo, environment, pod image) and
+job/evidence.py (run record, compare)."""
 
 import copy
 import datetime
@@ -15,7 +16,7 @@ from typing import Optional
 import jsonschema
 import pytest
 
-from job import evidence
+from job import evidence, nccl, preflight
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 SCHEMA = json.loads(Path(evidence.schema_path()).read_text())
@@ -53,7 +54,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_parse_fixture(name):
-    result = evidence.parse_nccl_transport((FIXTURES / f"{name}.log").read_text())
+    result = nccl.parse_nccl_transport((FIXTURES / f"{name}.log").read_text())
     for key, value in EXPECTED[name].items():
         assert result[key] == value, (name, key)
     assert result["backend"] == "nccl"
@@ -65,46 +66,46 @@ def test_parse_fixture(name):
 
 
 def test_parse_roce_plugin_and_old_formats():
-    roce = evidence.parse_nccl_transport(
+    roce = nccl.parse_nccl_transport(
         "h:1:2 [0] NCCL INFO NET/IB : Using [0]mlx5_10:1/RoCE [1]mlx5_11:1/RoCE [RO]; OOB enp220s0np0:11.1.128.136<0>\n"
         "h:1:2 [0] NCCL INFO Using network IB\n")
     assert (roce["net"], roce["net_link_layer"], roce["net_devices"]) == ("ib", "RoCE", ["mlx5_10:1/RoCE", "mlx5_11:1/RoCE"])
-    sharp = evidence.parse_nccl_transport(
+    sharp = nccl.parse_nccl_transport(
         "NET/IB : Using [0]ibp0:1/IB/SHARP [1]ibp1:1/IB/SHARP [RO]; OOB eth0:10.7.147.73<0>\nUsing network IBext_v8\n"
         "h:1:2 [1] NCCL INFO Channel 09/0 : 33[1] -> 41[1] [send] via NET/IBext_v8/4\n")
     assert (sharp["net"], sharp["net_plugin"], sharp["net_used"]) == ("ib", "IBext_v8", True)
     # mpirun-prefixed, pre-2.7 "Ring" lines, aws-ofi-nccl's own INFO format, no "Using network" line.
-    old = evidence.parse_nccl_transport(
+    old = nccl.parse_nccl_transport(
         "[1,7]<stdout>:ip-1:2:3 [7] NCCL INFO Ring 00 : 7 -> 8 [send] via NET/AWS Libfabric/0\n"
         "[1,26]<stdout>:ip-2:4:5 [2] NCCL INFO Ring 00 : 26[2] -> 30[6] via P2P/IPC\n"
         "INFO: Function: ofi_init Line: 686: NET/OFI Selected Provider is efa\n")
     assert (old["net"], old["net_plugin"], old["intra_node"]) == ("efa", "AWS Libfabric", ["p2p"])
-    assert evidence.parse_nccl_transport("")["net"] is None
-    warn = evidence.parse_nccl_transport("h:1:1 [0] NCCL WARN NET/OFI Couldn't find any optimal provider\n")
+    assert nccl.parse_nccl_transport("")["net"] is None
+    warn = nccl.parse_nccl_transport("h:1:1 [0] NCCL WARN NET/OFI Couldn't find any optimal provider\n")
     assert warn["warnings"] == ["NET/OFI Couldn't find any optimal provider"]
 
 
 def test_nccl_debug_env_and_log_reader(tmp_path, monkeypatch):
-    env = evidence.nccl_debug_env(str(tmp_path))
+    env = nccl.nccl_debug_env(str(tmp_path))
     assert env["NCCL_DEBUG"] == "INFO"
     assert set(env["NCCL_DEBUG_SUBSYS"].split(",")) >= {"INIT", "NET"}
     assert env["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl.%h.%p.log")
     for key in env:
         monkeypatch.delenv(key, raising=False)
     log_dir = tmp_path / "logs"
-    evidence.enable_nccl_debug(str(log_dir))
+    nccl.enable_nccl_debug(str(log_dir))
     assert os.environ["NCCL_DEBUG_FILE"].startswith(str(log_dir)) and log_dir.is_dir()
     # Two processes' logs: the reader returns only the asked-for pid's file.
     (log_dir / "node-a.ignored").write_text("x")
     (log_dir / "nccl.node-a.111.log").write_text((FIXTURES / "efa.log").read_text())
     (log_dir / "nccl.node-a.222.log").write_text((FIXTURES / "socket.log").read_text())
-    assert evidence.nccl_log_files(str(log_dir)) == [str(log_dir / "nccl.node-a.111.log"),
+    assert nccl.nccl_log_files(str(log_dir)) == [str(log_dir / "nccl.node-a.111.log"),
                                                        str(log_dir / "nccl.node-a.222.log")]
-    assert evidence.worker_transport("nccl", str(log_dir), pid=222)["net"] == "socket"
-    assert evidence.worker_transport("nccl", str(log_dir), pid=111)["net"] == "efa"
-    missing = evidence.worker_transport("nccl", str(log_dir), pid=333)
+    assert nccl.worker_transport("nccl", str(log_dir), pid=222)["net"] == "socket"
+    assert nccl.worker_transport("nccl", str(log_dir), pid=111)["net"] == "efa"
+    missing = nccl.worker_transport("nccl", str(log_dir), pid=333)
     assert missing["net"] is None and "no NCCL log for pid 333" in missing["reason"]
-    gloo = evidence.worker_transport("gloo", str(log_dir))
+    gloo = nccl.worker_transport("gloo", str(log_dir))
     assert (gloo["backend"], gloo["net"], gloo["intra_node"]) == ("gloo", "socket", ["socket"])
 
 
@@ -121,25 +122,25 @@ def test_check_expectations_messages():
                           _worker(2, "efa", host="n1", net_line="NET/OFI Selected Provider is efa")],
               "all_ranks": {"all_reduce": [{"size_bytes": 2**20, "busbw_gbps": 50.0},
                                            {"size_bytes": 2**30, "busbw_gbps": 12.5}]}}
-    assert evidence.check_expectations(result, None) == []
-    assert evidence.check_expectations(result, {"transport": "efa"}) == [
+    assert preflight.check_expectations(result, None) == []
+    assert preflight.check_expectations(result, {"transport": "efa"}) == [
         f"preflight.expect.transport: expected efa, NCCL used socket on ranks 0,1 ({socket_line})"]
-    assert evidence.check_expectations(result, {"transport": "p2p", "min_busbw_gbps": 10}) == []
-    [nvl] = evidence.check_expectations(result, {"transport": "nvlink"})
+    assert preflight.check_expectations(result, {"transport": "p2p", "min_busbw_gbps": 10}) == []
+    [nvl] = preflight.check_expectations(result, {"transport": "nvlink"})
     assert "expected nvlink" in nvl and "ranks 0,1" in nvl  # rank 2 is alone on its node
-    [bw] = evidence.check_expectations(result, {"min_busbw_gbps": 100})
+    [bw] = preflight.check_expectations(result, {"min_busbw_gbps": 100})
     assert bw == ("preflight.expect.min_busbw_gbps: expected all_reduce busbw >= 100 GB/s at 1024 MiB "
                   "across 3 ranks, measured 12.500 GB/s")
-    [bad] = evidence.check_expectations(result, {"transport": "carrier-pigeon"})
+    [bad] = preflight.check_expectations(result, {"transport": "carrier-pigeon"})
     assert "unknown value 'carrier-pigeon'" in bad
-    [gl] = evidence.check_expectations(result, {"transport": "gloo"})
+    [gl] = preflight.check_expectations(result, {"transport": "gloo"})
     assert gl.startswith("preflight.expect.transport: expected gloo") and "ranks 0,1,2" in gl
 
 
 def test_bus_bandwidth_factors():
-    assert evidence.bus_bandwidth_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
-    assert evidence.bus_bandwidth_factor("all_gather", 8) == pytest.approx(7 / 8)
-    assert evidence.bus_bandwidth_factor("all_reduce", 1) == 0.0
+    assert preflight.bus_bandwidth_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert preflight.bus_bandwidth_factor("all_gather", 8) == pytest.approx(7 / 8)
+    assert preflight.bus_bandwidth_factor("all_reduce", 1) == 0.0
 
 
 # --- Preflight on gloo, in real processes --------------------------------------------------------
@@ -171,20 +172,20 @@ def _preflight_worker(rank, world, port, out_dir, hostnames, bad_expect):
     import torch
     import torch.distributed as dist
 
-    from job import evidence as ev
+    from job import preflight
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     out = {}
     try:
         host = hostnames[rank] if hostnames else None
-        result = ev.run_preflight(Preflight(), torch.device("cpu"), hostname=host)
+        result = preflight.run_preflight(Preflight(), torch.device("cpu"), hostname=host)
         out["result"] = result
         try:
-            ev.run_preflight(Preflight(sizes_mib=[0.25], iters=1, warmup=0, expect=Expect(**bad_expect)),
+            preflight.run_preflight(Preflight(sizes_mib=[0.25], iters=1, warmup=0, expect=Expect(**bad_expect)),
                              torch.device("cpu"), hostname=host)
             out["error"] = None
-        except ev.PreflightError as exc:
+        except preflight.PreflightError as exc:
             out["error"] = str(exc)
             out["failures"] = exc.failures
             out["error_has_result"] = exc.result is not None
@@ -258,7 +259,7 @@ def test_worker_environment_cpu(monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     import torch
 
-    env = evidence.worker_environment(torch.device("cpu"))
+    env = preflight.worker_environment(torch.device("cpu"))
     assert env["hostname"] == socket.gethostname()
     assert env["accelerator"] == {"type": "cpu", "count": 0, "names": [], "memory_gib": []}
     import job
@@ -319,25 +320,25 @@ def fake_api(tmp_path):
 
 def test_pod_image_from_fake_api(fake_api, tmp_path):
     env = {"POD_NAMESPACE": "ml", "POD_NAME": "ft-worker-0"}
-    info = evidence.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)
+    info = preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)
     assert info["digest"] == DIGEST_RAY  # the ray container, not the sidecar listed first
     assert (info["image"], info["container"], info["node"]) == ("rayproject/ray:2.60.0-gpu", "ray-worker", "ip-10-0-1-11")
     assert info["image_id"] == f"docker.io/rayproject/ray@{DIGEST_RAY}"
     assert fake_api["seen"] == ["/api/v1/namespaces/ml/pods/ft-worker-0"]
-    side = evidence.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env, container="log-shipper")
+    side = preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env, container="log-shipper")
     assert side["digest"] == DIGEST_SIDECAR
 
-    other = evidence.pod_image(api_url=fake_api["url"], token_path=fake_api["token"],
+    other = preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"],
                                env={"POD_NAMESPACE": "ml", "POD_NAME": "nope"})
     assert other["digest"] == "unknown" and other["reason"].startswith("HTTP 404")
     bad_token = tmp_path / "bad"
     bad_token.write_text("wrong")
-    denied = evidence.pod_image(api_url=fake_api["url"], token_path=str(bad_token), env=env)
+    denied = preflight.pod_image(api_url=fake_api["url"], token_path=str(bad_token), env=env)
     assert "HTTP 401" in denied["reason"] and "get' on pods" in denied["reason"]
-    no_token = evidence.pod_image(api_url=fake_api["url"], token_path=str(tmp_path / "absent"), env=env)
+    no_token = preflight.pod_image(api_url=fake_api["url"], token_path=str(tmp_path / "absent"), env=env)
     assert no_token["digest"] == "unknown" and "no service-account token" in no_token["reason"]
-    assert evidence.pod_image(env={})["reason"] == "not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)"
-    assert "POD_NAME" in evidence.pod_image(api_url=fake_api["url"], env={"HOSTNAME": ""})["reason"]
+    assert preflight.pod_image(env={})["reason"] == "not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)"
+    assert "POD_NAME" in preflight.pod_image(api_url=fake_api["url"], env={"HOSTNAME": ""})["reason"]
 
 
 CHART_ENV = {"JOB_CHART": "ray-finetune", "JOB_CHART_VERSION": "0.1.0", "JOB_RELEASE": "demo",
@@ -347,7 +348,7 @@ CHART_ENV = {"JOB_CHART": "ray-finetune", "JOB_CHART_VERSION": "0.1.0", "JOB_REL
 
 def test_run_record_with_fake_kubernetes(fake_api, tmp_path):
     env = {"POD_NAMESPACE": "ml", "POD_NAME": "ft-worker-0"}
-    pods = [evidence.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)]
+    pods = [preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)]
     run_dir = tmp_path / "runs" / "demo"
     record = evidence.start_record(str(run_dir), config={"train": {"lr": 1e-4}}, config_text="train:\n  lr: 0.0001\n",
                                    seed=3, pods=pods, env=CHART_ENV)

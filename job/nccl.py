@@ -1,0 +1,403 @@
+"""NCCL transport evidence: which network and intra-node paths NCCL really used.
+
+NCCL chooses its transports at run time (EFA through the aws-ofi-nccl plugin, InfiniBand or RoCE,
+plain sockets; NVLink, NVLS, P2P or shared memory within a node) and says so only in its debug log.
+This module asks NCCL to write that log (``enable_nccl_debug``), reads it back (``read_nccl_logs``)
+and turns it into a small dict (``parse_nccl_transport``); ``gloo_transport`` is the same dict for
+CPU runs, ``worker_transport`` picks the right one for this worker process, and
+``describe_transport`` prints one line for humans. ``preflight.run_preflight`` gathers every
+worker's dict; ``evidence`` writes them into the run record.
+
+Nothing here needs a GPU or network access: a missing log gives ``net=None`` plus a ``reason``.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+from typing import Any, Mapping
+
+#: Subsystems we ask NCCL to log. INIT and NET give the version, the network plugin, its
+#: devices and the per-channel "via ..." lines; GRAPH adds the topology search result
+#: ("type NVL/PIX"), the only line that says NVLink in plain words; ENV echoes NCCL_* settings.
+NCCL_DEBUG_SUBSYS = "INIT,NET,GRAPH,ENV"
+
+#: Order in which intra-node paths are listed (fastest first).
+INTRA_NODE_ORDER = ("nvls", "nvlink", "p2p", "shm", "net", "socket")
+
+
+def nccl_debug_env(log_dir: str) -> dict[str, str]:
+    """Environment variables that make NCCL write its INFO log to one file per process.
+
+    ``NCCL_DEBUG_FILE`` uses NCCL's own placeholders: ``%h`` = hostname, ``%p`` = pid, so
+    every worker process writes ``<log_dir>/nccl.<host>.<pid>.log``. ``log_dir`` must be a
+    local directory (NCCL opens the file itself). The values only take effect if they are in
+    ``os.environ`` before NCCL creates its first communicator in this process -- see
+    :func:`enable_nccl_debug`.
+    """
+    return {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": NCCL_DEBUG_SUBSYS,
+        "NCCL_DEBUG_FILE": os.path.join(log_dir, "nccl.%h.%p.log"),
+    }
+
+
+def enable_nccl_debug(log_dir: str) -> dict[str, str]:
+    """Create ``log_dir`` and put :func:`nccl_debug_env` into ``os.environ``; return it.
+
+    Call on every worker before its first collective. PyTorch creates NCCL communicators
+    lazily (at the first collective on a group), unless ``init_process_group`` was given
+    ``device_id=`` (eager init) -- in that case call this before ``init_process_group``, or
+    set the same variables through the Ray runtime env ``env_vars``. Setting them after NCCL
+    has initialised is silently ignored, and :func:`worker_transport` then says so.
+    """
+    os.makedirs(log_dir, exist_ok=True)
+    values = nccl_debug_env(log_dir)
+    os.environ.update(values)
+    return values
+
+
+def nccl_log_files(log_dir: str, *, pid: int | None = None, hostname: str | None = None) -> list[str]:
+    """Paths of NCCL debug logs in ``log_dir``, optionally only those of one host and/or pid."""
+    host_part = glob.escape(hostname) if hostname else "*"
+    pid_part = str(pid) if pid is not None else "*"
+    return sorted(glob.glob(os.path.join(glob.escape(log_dir), f"nccl.{host_part}.{pid_part}.log")))
+
+
+def read_nccl_logs(log_dir: str, *, pid: int | None = None, hostname: str | None = None) -> str:
+    """Concatenated text of the matching NCCL debug logs (``""`` when there are none)."""
+    parts = []
+    for path in nccl_log_files(log_dir, pid=pid, hostname=hostname):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            parts.append(f.read())
+    return "\n".join(parts)
+
+
+_RE_VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+\S*)")
+_RE_USING_NETWORK = re.compile(r"Using network (.+?)\s*$")
+_RE_OFI_PROVIDER = re.compile(r"NET/OFI Selected [Pp]rovider is ([\w;+-]+)")
+_RE_OFI_NIC_COUNT = re.compile(r"NET/OFI Selected [Pp]rovider is .*?found (\d+) nics", re.I)
+_RE_OFI_NIC = re.compile(r"NET/OFI NIC group \d+ device #\d+ (\S+)")
+_RE_IB_USING = re.compile(r"NET/IB ?: Using (.*?)\s*(?:; OOB (\S+))?\s*$")
+_RE_SOCKET_USING = re.compile(r"NET/Socket ?: Using (.*?)\s*$")
+_RE_DEVICE_TOKEN = re.compile(r"\[\d+\]([^\s\[;]+)")
+_RE_BOOTSTRAP = re.compile(r"Bootstrap ?: Using (\S+)")
+_RE_CHANNEL = re.compile(
+    r"(?:Channel|Ring) (\d+)(?:/(\d+))? : (\d+)(?:\[[0-9a-fA-Fx]+\])? -> (\d+)(?:\[[0-9a-fA-Fx]+\])?"
+    r"(?: \[(send|receive)\])? via (.+?)\s*$"
+)
+_RE_NET_VIA = re.compile(r"^NET/(.+?)/(\d+)")
+_RE_GRAPH_TYPE = re.compile(r"Pattern \d+, crossNic \d+, nChannels \d+, .*type (\w+)/(\w+)")
+_RE_TOPO_NVLINK = re.compile(r"NVL\[[\d.]+\] - (?:GPU|NVS)/")
+_RE_NVLS_AVAILABLE = re.compile(r"NVLS multicast support is available")
+_RE_NVLS_CHANNELS = re.compile(r"(\d+) nvls channels")
+_RE_COMM = re.compile(r"nRanks (\d+) nNodes (\d+) localRanks (\d+)")
+_RE_MESSAGE = re.compile(r"NCCL (INFO|WARN) (.*)$")
+
+
+def _message(line: str) -> tuple[str, str]:
+    """Split a raw log line into (level, message) dropping the ``host:pid:tid [dev]`` prefix."""
+    m = _RE_MESSAGE.search(line)
+    if m:
+        return m.group(1), m.group(2).strip()
+    return "", line.strip()
+
+
+def _net_kind(plugin: str | None, provider: str | None) -> str | None:
+    """Map NCCL's network name (``Using network X`` / ``via NET/X/..``) to a short kind."""
+    if not plugin:
+        return provider
+    name = plugin.lower()
+    if "libfabric" in name or "ofi" in name:
+        return provider or "ofi"  # aws-ofi-nccl: the libfabric provider is what matters (efa)
+    if name.startswith("ib"):  # IB, IBext, IBext_v8 (the HPC-X / SHARP plugin)
+        return "ib"
+    if name.startswith("socket"):
+        return "socket"
+    return name  # other plugins (e.g. GPUDirectTCPX) keep their own name
+
+
+def parse_nccl_transport(log_text: str) -> dict:
+    """Read NCCL ``NCCL_DEBUG=INFO`` output and say which transports NCCL really used.
+
+    Works on stdout captures (with or without ``[1,3]<stdout>:`` or timestamp prefixes) and
+    on ``NCCL_DEBUG_FILE`` files, of one or several processes. Returns::
+
+        {
+          "backend": "nccl",
+          "nccl_version": "2.21.5+cuda12.4" | None,
+          "net": "efa" | "ib" | "socket" | "<plugin name>" | None,
+                      # the inter-node network NCCL selected ("Using network X"); for the
+                      # aws-ofi-nccl plugin it is the libfabric provider (efa)
+          "net_plugin": "Libfabric" | "AWS Libfabric" | "IB" | "IBext_v8" | "Socket" | None,
+          "net_provider": "efa" | None,        # libfabric provider (OFI plugin only)
+          "net_link_layer": "IB" | "RoCE" | None,  # NET/IB only: InfiniBand or RoCE ports
+          "net_devices": ["mlx5_0:1/IB", ...] | ["eth0:10.0.0.1"] | [PCI ids of EFA NICs],
+          "net_nic_count": int | None,         # OFI: "found N nics"
+          "net_used": bool,                    # some channel really went "via NET/..."
+          "gdrdma": bool,                      # some NET channel used GPUDirect RDMA
+          "intra_node": ["nvls","nvlink","p2p","shm","net"],  # subset, fastest first
+          "p2p_modes": ["P2P/CUMEM/read", ...],  # distinct P2P variants seen
+          "nodes": int | None, "local_ranks": int | None,  # from the "comm ... nNodes" line
+          "channels": {"P2P/CUMEM/read": 8, "NET/IB/0/GDRDMA": 4, ...},  # count per "via"
+          "bootstrap": "eth0:10.0.0.1<0>" | None,
+          "connected": bool,                   # "Connected all rings" seen
+          "net_line": str | None,              # the line that decided "net" (for messages)
+          "warnings": [NCCL WARN messages, at most 10],
+          "lines": [the evidence lines, message part only, at most 40],
+        }
+
+    How ``intra_node`` is decided: ``p2p`` if a channel goes via ``P2P/...`` (CUDA IPC /
+    cuMem / direct pointer), ``shm`` if via ``SHM/...`` (through host memory), ``nvls`` if
+    NVLink SHARP multicast is available or NVLS channels are set up, ``nvlink`` if the
+    topology search reports intra type ``NVL`` (GRAPH subsystem), the topology dump shows
+    ``NVL[..]`` links between GPUs, NVLS is in use, or P2P runs in ``/read`` mode (NCCL only
+    enables P2P read by default over NVLink). ``net`` is listed when a single-node
+    communicator still routes channels via ``NET/...``.
+    """
+    result: dict[str, Any] = {
+        "backend": "nccl",
+        "nccl_version": None,
+        "net": None,
+        "net_plugin": None,
+        "net_provider": None,
+        "net_link_layer": None,
+        "net_devices": [],
+        "net_nic_count": None,
+        "net_used": False,
+        "gdrdma": False,
+        "intra_node": [],
+        "p2p_modes": [],
+        "nodes": None,
+        "local_ranks": None,
+        "channels": {},
+        "bootstrap": None,
+        "connected": False,
+        "net_line": None,
+        "warnings": [],
+        "lines": [],
+    }
+    lines: list[str] = []
+    seen_lines: set[str] = set()
+
+    def keep(msg: str) -> None:
+        if msg not in seen_lines and len(lines) < 40:
+            seen_lines.add(msg)
+            lines.append(msg[:240])
+
+    plugins: collections.Counter[str] = collections.Counter()
+    plugin_line: dict[str, str] = {}
+    net_via: collections.Counter[str] = collections.Counter()
+    channels: collections.Counter[str] = collections.Counter()
+    ib_devices: list[str] = []
+    ib_line = socket_line = provider_line = None
+    socket_devices: list[str] = []
+    ofi_nics: list[str] = []
+    intra: set[str] = set()
+    p2p_modes: list[str] = []
+    net_channels_single_node = False
+    nodes = local_ranks = None
+
+    for raw in log_text.splitlines():
+        level, msg = _message(raw)
+        if level == "WARN":
+            if len(result["warnings"]) < 10:
+                result["warnings"].append(msg[:240])
+            continue
+        if (m := _RE_VERSION.search(msg)) and not result["nccl_version"]:
+            result["nccl_version"] = m.group(1)
+            keep(msg)
+        elif m := _RE_USING_NETWORK.search(msg):
+            plugins[m.group(1)] += 1
+            plugin_line.setdefault(m.group(1), msg)
+            keep(msg)
+        elif m := _RE_OFI_PROVIDER.search(msg):
+            result["net_provider"] = result["net_provider"] or m.group(1)
+            provider_line = provider_line or msg
+            if c := _RE_OFI_NIC_COUNT.search(msg):
+                result["net_nic_count"] = int(c.group(1))
+            keep(msg)
+        elif m := _RE_OFI_NIC.search(msg):
+            if m.group(1) not in ofi_nics:
+                ofi_nics.append(m.group(1))
+        elif m := _RE_IB_USING.search(msg):
+            devices = _RE_DEVICE_TOKEN.findall(m.group(1))
+            if devices:  # NCCL >= 2.28 prints "NET/IB : Using [RO]; OOB .." even with no HCA
+                ib_line = ib_line or msg
+                ib_devices.extend(d for d in devices if d not in ib_devices)
+                keep(msg)
+        elif m := _RE_SOCKET_USING.search(msg):
+            socket_line = socket_line or msg
+            for dev in _RE_DEVICE_TOKEN.findall(m.group(1)):
+                dev = re.sub(r"<\d+>$", "", dev)
+                if dev not in socket_devices:
+                    socket_devices.append(dev)
+            keep(msg)
+        elif m := _RE_BOOTSTRAP.search(msg):
+            result["bootstrap"] = result["bootstrap"] or m.group(1)
+        elif m := _RE_CHANNEL.search(msg):
+            via = m.group(6)
+            if via not in channels:
+                keep(msg)  # one example line per distinct transport
+            channels[via] += 1
+            if nm := _RE_NET_VIA.match(via):
+                net_via[nm.group(1)] += 1
+                result["net_used"] = True
+                if "GDRDMA" in via:
+                    result["gdrdma"] = True
+                if nodes == 1:
+                    net_channels_single_node = True
+            elif via.startswith("P2P/"):
+                intra.add("p2p")
+                if via not in p2p_modes:
+                    p2p_modes.append(via)
+                if via.endswith("/read"):
+                    intra.add("nvlink")
+            elif via.startswith("SHM"):
+                intra.add("shm")
+        elif m := _RE_GRAPH_TYPE.search(msg):
+            if m.group(1) == "NVL":
+                intra.add("nvlink")
+            keep(msg)
+        elif _RE_TOPO_NVLINK.search(msg):
+            intra.add("nvlink")
+            keep(msg)
+        elif _RE_NVLS_AVAILABLE.search(msg):
+            intra.update(("nvls", "nvlink"))
+            keep(msg)
+        elif m := _RE_COMM.search(msg):
+            n_nodes, n_local = int(m.group(2)), int(m.group(3))
+            if nodes is None or n_nodes > nodes:
+                nodes, local_ranks = n_nodes, n_local
+            keep(msg)
+        elif "Connected all rings" in msg:
+            result["connected"] = True
+            keep(msg)
+        if (m := _RE_NVLS_CHANNELS.search(msg)) and int(m.group(1)) > 0:
+            intra.update(("nvls", "nvlink"))
+            keep(msg)
+
+    # Which network did NCCL select? Prefer its own "Using network X" line, then the names in
+    # "via NET/X/.." channel lines, then which NET/* module initialised (plugin > IB > Socket,
+    # NCCL's own order of preference).
+    plugin = None
+    if plugins:
+        plugin = plugins.most_common(1)[0][0]
+        result["net_line"] = plugin_line[plugin]
+    elif net_via:
+        plugin = net_via.most_common(1)[0][0]
+    elif result["net_provider"]:
+        plugin = "Libfabric"
+    elif ib_devices:
+        plugin = "IB"
+    elif socket_devices:
+        plugin = "Socket"
+    result["net_plugin"] = plugin
+    kind = _net_kind(plugin, result["net_provider"])
+    result["net"] = kind
+    if kind == "ib":
+        result["net_devices"] = ib_devices
+        layers = {d.split("/")[1] for d in ib_devices if "/" in d}
+        result["net_link_layer"] = "RoCE" if layers == {"RoCE"} else ("IB" if layers else None)
+        result["net_line"] = ib_line or result["net_line"]
+    elif kind == "socket":
+        result["net_devices"] = socket_devices
+        result["net_line"] = socket_line or result["net_line"]
+    elif result["net_provider"]:
+        result["net_devices"] = ofi_nics
+        result["net_line"] = provider_line or result["net_line"]
+
+    if nodes == 1 and result["net_used"]:
+        net_channels_single_node = True
+    if net_channels_single_node:
+        intra.add("net")
+    result["intra_node"] = [k for k in INTRA_NODE_ORDER if k in intra]
+    result["p2p_modes"] = p2p_modes
+    result["nodes"], result["local_ranks"] = nodes, local_ranks
+    result["channels"] = dict(channels.most_common(20))
+    result["lines"] = lines
+    return result
+
+
+def gloo_transport() -> dict:
+    """Transport entry for the gloo backend (CPU runs and CPU tests).
+
+    Gloo has no transport choice to make: every peer, on the same host or not, is reached
+    over TCP sockets on the interface ``GLOO_SOCKET_IFNAME`` (default: the address the
+    hostname resolves to). So ``net`` is ``"socket"`` and ``intra_node`` is ``["socket"]``.
+    Same keys as :func:`parse_nccl_transport`.
+    """
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    line = f"gloo: TCP sockets on {iface or 'the interface of the hostname address'}"
+    return {
+        "backend": "gloo",
+        "nccl_version": None,
+        "net": "socket",
+        "net_plugin": "gloo",
+        "net_provider": None,
+        "net_link_layer": None,
+        "net_devices": [iface] if iface else [],
+        "net_nic_count": None,
+        "net_used": True,
+        "gdrdma": False,
+        "intra_node": ["socket"],
+        "p2p_modes": [],
+        "nodes": None,
+        "local_ranks": None,
+        "channels": {},
+        "bootstrap": None,
+        "connected": True,
+        "net_line": line,
+        "warnings": [],
+        "lines": [line],
+    }
+
+
+def worker_transport(backend: str, log_dir: str | None = None, *, pid: int | None = None) -> dict:
+    """Transport entry of this worker process, for the process-group ``backend`` in use.
+
+    ``gloo`` -> :func:`gloo_transport`. ``nccl`` -> :func:`parse_nccl_transport` of this
+    process's NCCL log in ``log_dir`` (call after at least one collective). When there is no
+    log, ``net`` is ``None`` and ``reason`` says why.
+    """
+    if "nccl" not in backend:
+        entry = gloo_transport()
+        entry["backend"] = backend
+        return entry
+    pid = os.getpid() if pid is None else pid
+    if not log_dir:
+        reason = "NCCL debug logging not enabled (call enable_nccl_debug(log_dir) before the first collective)"
+        return {"backend": "nccl", "net": None, "intra_node": [], "lines": [], "reason": reason}
+    files = nccl_log_files(log_dir, pid=pid)
+    text = read_nccl_logs(log_dir, pid=pid)
+    if not text.strip():
+        reason = (f"no NCCL log for pid {pid} in {log_dir} (NCCL_DEBUG* must be set before NCCL's "
+                  f"first communicator; NCCL_DEBUG={os.environ.get('NCCL_DEBUG')!r})")
+        return {"backend": "nccl", "net": None, "intra_node": [], "lines": [], "reason": reason}
+    entry = parse_nccl_transport(text)
+    entry["log_files"] = files
+    return entry
+
+
+def describe_transport(t: Mapping | None) -> str:
+    """One line for humans, e.g. ``nccl 2.21.5: net=efa (Libfabric, 4 NICs, GDRDMA); intra-node=nvlink,p2p``."""
+    if not t:
+        return "unknown"
+    if t.get("net") is None and t.get("reason"):
+        return f"{t.get('backend', '?')}: unknown ({t['reason']})"
+    head = t.get("backend", "?")
+    if t.get("nccl_version"):
+        head += f" {t['nccl_version']}"
+    details = [p for p in (t.get("net_plugin"),) if p]
+    devices = t.get("net_devices") or []
+    if t.get("net_nic_count"):
+        details.append(f"{t['net_nic_count']} NICs")
+    elif devices:
+        details.append(", ".join(devices[:4]) + (" ..." if len(devices) > 4 else ""))
+    if t.get("gdrdma"):
+        details.append("GDRDMA")
+    net = f"net={t.get('net')}" + (f" ({'; '.join(details)})" if details else "")
+    intra = ",".join(t.get("intra_node") or []) or "none"
+    return f"{head}: {net}; intra-node={intra}"
