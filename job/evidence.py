@@ -275,6 +275,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
         "checkpoints": None,
         "export": None,
         "extra": {},
+        "previous_attempts": _previous_attempts(run_dir),
     }
     if record["pod"]["name"] == UNKNOWN:
         record["pod"]["reason"] = "POD_NAME/POD_NAMESPACE unset (not running in the chart's pods)"
@@ -340,6 +341,21 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded", erro
 def write_record(run_dir: str, record: dict) -> None:
     """Write ``record`` to ``<run_dir>/run.json`` atomically (see :func:`write_text_atomic`)."""
     write_text_atomic(_join(run_dir, RUN_RECORD), json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def _previous_attempts(run_dir: str) -> list[dict]:
+    """Earlier attempts of the same run (a retried RayJob, a resumed re-run), oldest first: a new attempt's
+    record replaces run.json, so it carries forward what each earlier one started, ended and reached."""
+    try:
+        old = load_record(run_dir)
+    except (FileNotFoundError, ValueError):
+        return []
+    summary = {key: old.get(key) for key in ("started_at", "ended_at", "status", "error", "config_sha256")}
+    if summary["status"] == "running":  # it never closed its record: killed (node loss, SIGKILL, OOM)
+        summary["status"] = "interrupted"
+    summary["image_digest"] = (old.get("image") or {}).get("digest")
+    summary["steps"] = (old.get("metrics") or {}).get("steps")
+    return [*old.get("previous_attempts", []), summary]
 
 
 def load_record(run_dir: str) -> dict:

@@ -23,7 +23,7 @@ import torch
 from conftest import REPO, tiny_run_config
 from job import checkpoint as checkpoint_lib
 from job import config as config_lib
-from job import launch
+from job import evidence, launch
 
 MAX_STEPS = 20
 EVERY = 4
@@ -145,6 +145,11 @@ def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     (resume,) = _records(run_dir, "resume")
     assert resume["step"] == 8
     _assert_same_training(run_dir, reference)
+    # The run record is this attempt's, resumed from step 8, and remembers the failed attempt before it.
+    record = evidence.load_record(run_dir)
+    assert record["status"] == "succeeded" and record["extra"]["resumed_from"]["step"] == 8
+    # Rank 0 was SIGKILLed, so that attempt never closed its record: it shows as interrupted.
+    assert [a["status"] for a in record["previous_attempts"]] == ["interrupted"]
     # Whether or not Ray registered checkpoint 8 before the worker died, it is pruned like any other.
     assert [s for s, _, _ in checkpoint_lib.list_checkpoints(run_dir)] == [16, 20]
 
