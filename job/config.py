@@ -255,9 +255,9 @@ class LoggingConfig:
 
 @dataclass
 class ExpectConfig:
-    transport: Optional[Literal["efa", "ib", "socket", "nvlink", "shm", "gloo"]] = None
-    """Network transport NCCL must use between nodes (or within a node, for `nvlink`/`shm`); the run fails
-    in preflight when another one is in use."""
+    transport: Optional[Literal["efa", "ib", "roce", "socket", "nvlink", "nvls", "p2p", "shm", "gloo"]] = None
+    """Transport the preflight must find: between nodes `efa`, `ib`, `roce` or `socket`; within a node
+    `nvlink`, `nvls`, `p2p` or `shm`; or the `gloo` backend (CPU). Anything else fails the run before training."""
     min_busbw_gbps: Optional[float] = None
     """Minimum all-reduce bus bandwidth (GB/s, nccl-tests definition) at the largest message size."""
 
