@@ -70,7 +70,7 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
     log = workdir / f"{name}-{nproc}.log"
     if launcher == "hf":
         cmd = [*torchrun, str(REPO / "scripts/hf_trainer_baseline.py"), "--preset",
-               "tiny" if args.preset == "qwen2-tiny" else args.preset, "--seq-len", str(args.seq_len),
+               args.preset, "--seq-len", str(args.seq_len),
                "--batch", str(batch), "--steps", str(args.steps), "--warmup", str(args.skip * args.log_every)]
     else:
         config = workdir / f"{name}-{nproc}.yaml"

@@ -9,7 +9,7 @@ GPU (bf16 autocast, SDPA attention, FSDP2 full-shard of Qwen2DecoderLayer, fused
     torchrun --nproc-per-node N scripts/hf_trainer_baseline.py --preset qwen2.5-1.5b \
         --seq-len 4096 --batch 4 --steps 15 --warmup 5
   (N=1 also goes through FSDP2, so the code path matches N>1; --fsdp off for plain 1-GPU.)
-CPU (CI): python scripts/hf_trainer_baseline.py --preset tiny --seq-len 32 --batch 2 --steps 3 --warmup 1
+CPU (CI): python scripts/hf_trainer_baseline.py --preset qwen2-tiny --seq-len 32 --batch 2 --steps 3 --warmup 1
   (fp32, one process, no FSDP.)
 
 Timing: a TrainerCallback synchronizes CUDA at every step end; step time is the interval
@@ -24,25 +24,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-PRESETS = {
-    # Qwen2.5-1.5B architecture (config.json of the released model), random init.
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
-        rms_norm_eps=1e-6, max_position_embeddings=32768, hidden_act="silu",
-    ),
-    # CPU/CI smoke size.
-    "tiny": dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=512, tie_word_embeddings=True, rope_theta=1e6,
-        rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_act="silu",
-    ),
-}
+# The same architectures as the job's (`model.preset`), so both sides of the benchmark train the same model.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from job.model import PRESETS  # noqa: E402
 
 
 class RandomTokens(torch.utils.data.Dataset):
