@@ -1,8 +1,11 @@
 """FSDP2 fine-tuning of Hugging Face causal LMs under Ray Train, shipped by a Helm chart.
 
-Modules, one concern each (flat, because the chart ships them in a ConfigMap): `config` (run config),
-`data` (sources, packing, batches), `model` (build + FSDP2), `loss` (chunked cross-entropy), `train` (the
-per-worker loop), `metrics` (MFU, metric log), `launch` (driver: Ray Train or torchrun), `__main__` (CLI).
+Modules, one concern each (flat, because the chart ships them in a ConfigMap):
+`config` (run config), `data` (sources, formats, packing, batches), `model` (build + FSDP2 `parallelize`),
+`loss` (chunked cross-entropy), `train` (the per-worker loop), `evaluate` (held-out loss, task evaluation),
+`checkpoint` (save, resume, export), `metrics` (MFU, metric log), `nccl` (transport from NCCL's log),
+`preflight` (environment, image digest, bandwidth), `evidence` (run record, compare), `report` (markdown and
+plots), `launch` (driver: Ray Train or torchrun), `__main__` (CLI).
 """
 
 __version__ = "0.1.0"
