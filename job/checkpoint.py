@@ -37,13 +37,13 @@ import sys
 import tempfile
 import time
 
-import fsspec
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import config as config_lib
 from . import data as data_lib
+from . import storage
 
 COMPLETE = "_COMPLETE"
 """Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
@@ -65,69 +65,21 @@ class ExportError(RuntimeError):
     """The exported model failed its fresh-process acceptance check."""
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Storage helpers (fsspec: local paths and object stores alike)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
-def _fs(uri: str):
-    return fsspec.core.url_to_fs(uri)
-
-
-def _remote(uri: str) -> bool:
-    return "://" in uri and not uri.startswith("file://")
-
-
-def _exists(uri: str) -> bool:
-    fs, path = _fs(uri)
-    return fs.exists(path)
-
-
-def _rm(uri: str) -> None:
-    fs, path = _fs(uri)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
-
-
-def _write_bytes(uri: str, data: bytes) -> None:
-    """Writes a small file atomically: a local file is renamed into place, an object store PUT is atomic."""
-    if _remote(uri):
-        with fsspec.open(uri, "wb") as f:
-            f.write(data)
-        return
-    os.makedirs(os.path.dirname(uri), exist_ok=True)
-    tmp = f"{uri}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, uri)
-
-
-def _read_bytes(uri: str) -> bytes:
-    with fsspec.open(uri, "rb") as f:
-        return f.read()
-
-
 def step_dir(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
     """(step, uri, complete) of every `checkpoint_<step>` directory of a run, oldest first."""
-    fs, path = _fs(run_dir)
+    fs, path = storage.filesystem(run_dir)
     if not fs.exists(path):
         return []
     found = []
     for entry in fs.ls(path, detail=False):
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
-            uri = _join(run_dir, name)
-            found.append((int(name[len(PREFIX):]), uri, _exists(_join(uri, COMPLETE))))
+            uri = storage.join(run_dir, name)
+            found.append((int(name[len(PREFIX):]), uri, storage.exists(storage.join(uri, COMPLETE))))
     return sorted(found)
 
 
@@ -147,7 +99,7 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
     policy = cfg.checkpoint.resume
     if policy == "never":
         existing = [uri for _, uri, _ in list_checkpoints(run_dir)]
-        if existing or _exists(_join(run_dir, RAY_SNAPSHOT)):
+        if existing or storage.exists(storage.join(run_dir, RAY_SNAPSHOT)):
             raise CheckpointError(
                 f"checkpoint.resume: never, but run {run_dir} already has checkpoints "
                 f"({', '.join(existing) or RAY_SNAPSHOT}); choose a new run name, delete the run directory, "
@@ -159,9 +111,9 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
 
 
 def _require_complete(uri: str) -> None:
-    if not _exists(uri):
+    if not storage.exists(uri):
         raise CheckpointError(f"checkpoint.resume: no checkpoint at {uri}")
-    if not _exists(_join(uri, COMPLETE)):
+    if not storage.exists(storage.join(uri, COMPLETE)):
         raise CheckpointError(f"checkpoint {uri}: incomplete (no {COMPLETE} marker; the save was interrupted)")
 
 
@@ -182,7 +134,7 @@ def find_resume_point(cfg: config_lib.RunConfig, run_dir: str, launcher: str) ->
 
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None:
-            reported = _join(run_dir, checkpoint.path.rstrip("/").rsplit("/", 1)[-1])
+            reported = storage.join(run_dir, checkpoint.path.rstrip("/").rsplit("/", 1)[-1])
     on_disk = latest_complete(run_dir)
     own = max((u for u in (reported, on_disk) if u), key=lambda u: int(u.rsplit(PREFIX, 1)[-1]), default=None)
     if own is not None:
@@ -205,7 +157,7 @@ def find_resume_point(cfg: config_lib.RunConfig, run_dir: str, launcher: str) ->
 def _writer(uri: str):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    if _remote(uri):
+    if storage.is_remote(uri):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(uri)
@@ -215,7 +167,7 @@ def _writer(uri: str):
 def _reader(uri: str):
     from torch.distributed.checkpoint import FileSystemReader
 
-    if _remote(uri):
+    if storage.is_remote(uri):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(uri)
@@ -254,14 +206,14 @@ def save(step: int, model, optimizer, cfg: config_lib.RunConfig, run_dir: str, l
 
     rank, world = dist.get_rank(), dist.get_world_size()
     name = step_dir(step)
-    uri = _join(run_dir, name)
+    uri = storage.join(run_dir, name)
     if rank == 0:
-        _rm(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint we resumed from)
+        storage.remove(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint we resumed from)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(uri))
     buf = _torch_bytes(_rng_state())
-    _write_bytes(_join(uri, "rng", f"rank{rank:05d}.pt"), buf)
+    storage.write_atomic(storage.join(uri, "rng", f"rank{rank:05d}.pt"), buf)
     dist.barrier()  # every rank's shards and RNG state are written
     if rank == 0:
         accum, mb = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
@@ -278,8 +230,8 @@ def save(step: int, model, optimizer, cfg: config_lib.RunConfig, run_dir: str, l
             "config": config_lib.to_dict(cfg),
             "saved_at": time.time(),
         }
-        _write_bytes(_join(uri, STATE), json.dumps(state, indent=1).encode())
-        _write_bytes(_join(uri, COMPLETE), b"")  # last: the checkpoint is complete from here on
+        storage.write_atomic(storage.join(uri, STATE), json.dumps(state, indent=1).encode())
+        storage.write_atomic(storage.join(uri, COMPLETE), b"")  # last: the checkpoint is complete from here on
     if launcher == "ray":
         _ray_report(name, {**(metrics or {}), "step": step})
         if rank == 0:
@@ -299,8 +251,9 @@ def _ray_report(name: str, metrics: dict) -> None:
 
     checkpoint = None
     if dist.get_rank() == 0:
-        storage = ray.train.get_context().get_storage()
-        checkpoint = Checkpoint(path=f"{storage.experiment_fs_path}/{name}", filesystem=storage.storage_filesystem)
+        ray_storage = ray.train.get_context().get_storage()
+        checkpoint = Checkpoint(path=f"{ray_storage.experiment_fs_path}/{name}",
+                                filesystem=ray_storage.storage_filesystem)
     ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
                      checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
@@ -322,7 +275,7 @@ def _prune(run_dir: str, keep_last: int | None, keep_before: int) -> None:
     if keep_last is not None:
         doomed += complete[:-keep_last]
     for uri in doomed:
-        _rm(uri)
+        storage.remove(uri)
 
 
 def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
@@ -333,7 +286,7 @@ def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     try:
-        state = json.loads(_read_bytes(_join(uri, STATE)))
+        state = json.loads(storage.read_bytes(storage.join(uri, STATE)))
         step = int(state["step"])
     except Exception as e:
         raise CheckpointError(f"checkpoint {uri}: cannot read {STATE}: {type(e).__name__}: {e}") from e
@@ -349,12 +302,12 @@ def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"checkpoint {uri}: cannot be read ({type(e).__name__}: {first[:500]})") from e
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    rng = _join(uri, "rng", f"rank{dist.get_rank():05d}.pt")
-    if _exists(rng):  # a rank that did not exist before (more workers now) keeps its seeded state
+    rng = storage.join(uri, "rng", f"rank{dist.get_rank():05d}.pt")
+    if storage.exists(rng):  # a rank that did not exist before (more workers now) keeps its seeded state
         try:
             import io
 
-            _set_rng_state(torch.load(io.BytesIO(_read_bytes(rng)), weights_only=False))
+            _set_rng_state(torch.load(io.BytesIO(storage.read_bytes(rng)), weights_only=False))
         except Exception as e:
             raise CheckpointError(f"checkpoint {uri}: cannot read {rng}: {type(e).__name__}: {e}") from e
     state["step"] = step
@@ -391,8 +344,8 @@ def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_block
 
 def write_pid(run_dir: str, rank: int) -> None:
     """`<run>/workers/rank<r>.pid` (local storage only), so a drill can kill a chosen worker process."""
-    if not _remote(run_dir):
-        _write_bytes(_join(run_dir, "workers", f"rank{rank}.pid"), str(os.getpid()).encode())
+    if not storage.is_remote(run_dir):
+        storage.write_atomic(storage.join(run_dir, "workers", f"rank{rank}.pid"), str(os.getpid()).encode())
 
 
 def maybe_fail(cfg: config_lib.RunConfig, step: int, rank: int, run_dir: str) -> None:
@@ -400,10 +353,10 @@ def maybe_fail(cfg: config_lib.RunConfig, step: int, rank: int, run_dir: str) ->
     d = cfg.debug
     if d.fail_at_step != step or d.fail_rank != rank:
         return
-    marker = _join(run_dir, "faults", f"step{step}-rank{rank}")
-    if _exists(marker):
+    marker = storage.join(run_dir, "faults", f"step{step}-rank{rank}")
+    if storage.exists(marker):
         return
-    _write_bytes(marker, f"{time.time()}\n".encode())
+    storage.write_atomic(marker, f"{time.time()}\n".encode())
     print(f"debug.fail_at_step: rank {rank} (pid {os.getpid()}) kills itself at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -468,7 +421,7 @@ def export(model, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference:
     dist.broadcast_object_list(box, src=0)
     result = box[0]
     if not result.get("ok"):
-        raise ExportError(f"export {_join(run_dir, EXPORT_DIR)} failed its acceptance check: "
+        raise ExportError(f"export {storage.join(run_dir, EXPORT_DIR)} failed its acceptance check: "
                           f"{result.get('error') or json.dumps(result)}")
     return result
 
@@ -476,8 +429,8 @@ def export(model, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference:
 def _write_and_accept(state: dict, lm, tokenizer, cfg, run_dir: str, reference: dict) -> dict:
     from huggingface_hub import save_torch_state_dict
 
-    final = _join(run_dir, EXPORT_DIR)
-    stage = tempfile.mkdtemp(prefix="export-") if _remote(run_dir) else f"{final}.partial"
+    final = storage.join(run_dir, EXPORT_DIR)
+    stage = tempfile.mkdtemp(prefix="export-") if storage.is_remote(run_dir) else f"{final}.partial"
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage)
     weights = {k.removeprefix("lm."): v for k, v in state.items()}
@@ -513,23 +466,23 @@ def _write_and_accept(state: dict, lm, tokenizer, cfg, run_dir: str, reference: 
 
 def _publish(stage: str, final: str) -> None:
     """Moves the staged export into place; the `_VALID` marker (if any) lands last."""
-    if not _remote(final):
+    if not storage.is_remote(final):
         shutil.rmtree(final, ignore_errors=True)
         os.replace(stage, final)
         return
-    _rm(final)
+    storage.remove(final)
     names = sorted(os.listdir(stage), key=lambda n: n == VALID)
     for name in names:
         with open(os.path.join(stage, name), "rb") as f:
-            _write_bytes(_join(final, name), f.read())
+            storage.write_atomic(storage.join(final, name), f.read())
     shutil.rmtree(stage, ignore_errors=True)
 
 
 def export_is_valid(run_dir: str, step: int) -> bool:
     """Whether `<run>/export/` holds an accepted export of `step` (a finished run re-run skips the export)."""
-    marker = _join(run_dir, EXPORT_DIR, VALID)
+    marker = storage.join(run_dir, EXPORT_DIR, VALID)
     try:
-        return _exists(marker) and json.loads(_read_bytes(marker)).get("step") == step
+        return storage.exists(marker) and json.loads(storage.read_bytes(marker)).get("step") == step
     except (OSError, ValueError):
         return False
 

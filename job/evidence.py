@@ -55,9 +55,9 @@ import json
 import os
 import socket
 import sys
-import tempfile
 from typing import Any, Iterable, Mapping
 
+from . import storage
 from .nccl import describe_transport
 from .preflight import UNKNOWN, job_version, worker_environment
 
@@ -72,53 +72,6 @@ SCHEMA_VERSION = 1
 #: Environment variables the chart sets, and where they land in the record.
 CHART_ENV = {"name": "JOB_CHART", "version": "JOB_CHART_VERSION", "release": "JOB_RELEASE",
              "values_sha256": "JOB_VALUES_SHA256"}
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _join(base: str, name: str) -> str:
-    return base.rstrip("/") + "/" + name if _is_remote(base) else os.path.join(base, name)
-
-
-def read_text(path: str) -> str:
-    """Read a local path or an fsspec URL (``s3://...``)."""
-    if _is_remote(path):
-        import fsspec
-
-        with fsspec.open(path, "r", encoding="utf-8") as f:
-            return f.read()
-    with open(path.removeprefix("file://"), encoding="utf-8") as f:
-        return f.read()
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` so a reader never sees half a file.
-
-    Local: a temp file in the same directory, fsync, then ``os.replace`` (atomic on POSIX).
-    Remote (``s3://`` etc.) via fsspec: an object store PUT is already all-or-nothing.
-    """
-    if _is_remote(path):
-        import fsspec
-
-        with fsspec.open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-        return
-    path = path.removeprefix("file://")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".run.json.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _now() -> str:
@@ -340,7 +293,7 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded", erro
 
 def write_record(run_dir: str, record: dict) -> None:
     """Write ``record`` to ``<run_dir>/run.json`` atomically (see :func:`write_text_atomic`)."""
-    write_text_atomic(_join(run_dir, RUN_RECORD), json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+    storage.write_atomic(storage.join(run_dir, RUN_RECORD), json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def _previous_attempts(run_dir: str) -> list[dict]:
@@ -360,9 +313,9 @@ def _previous_attempts(run_dir: str) -> list[dict]:
 
 def load_record(run_dir: str) -> dict:
     """Read ``<run_dir>/run.json``; ``FileNotFoundError`` naming the path when absent."""
-    path = _join(run_dir, RUN_RECORD)
+    path = storage.join(run_dir, RUN_RECORD)
     try:
-        return json.loads(read_text(path))
+        return json.loads(storage.read_text(path))
     except FileNotFoundError:
         raise FileNotFoundError(f"no {RUN_RECORD} at {path}") from None
 
@@ -375,7 +328,7 @@ def schema_path() -> str:
 def read_metrics(run_dir: str) -> list[dict]:
     """Rows of ``<run_dir>/metrics.jsonl`` (blank or unparsable lines are skipped)."""
     rows = []
-    for line in read_text(_join(run_dir, METRICS_FILE)).splitlines():
+    for line in storage.read_text(storage.join(run_dir, METRICS_FILE)).splitlines():
         line = line.strip()
         if not line:
             continue
@@ -575,7 +528,7 @@ def compare_main(argv: list[str]) -> int:
             print(f"compare: {exc}", file=sys.stderr)
             return 2
         except (OSError, ValueError) as exc:
-            print(f"compare: cannot read {_join(path, RUN_RECORD)}: {exc}", file=sys.stderr)
+            print(f"compare: cannot read {storage.join(path, RUN_RECORD)}: {exc}", file=sys.stderr)
             return 2
     ignore = DEFAULT_IGNORED_CONFIG if args.ignore_config is None else tuple(args.ignore_config)
     diffs = compare_records(records[0], records[1], ignore_config=ignore)

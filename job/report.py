@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-from . import evidence
+from . import evidence, storage
 
 #: Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
@@ -251,7 +251,7 @@ def main(argv: list[str]) -> int:
 
     summary = evidence.summarize_metrics(rows) if rows else ((record or {}).get("metrics") or {})
     name = (record or {}).get("run_name") or os.path.basename(args.run_dir.rstrip("/"))
-    out = args.out or (f"./{name}-report" if evidence._is_remote(args.run_dir) else args.run_dir)
+    out = args.out or (f"./{name}-report" if storage.is_remote(args.run_dir) else args.run_dir)
     os.makedirs(out, exist_ok=True)
 
     plots: list[str] = []

@@ -23,7 +23,6 @@ from chart_helpers import (
     render,
     render_error,
     run_config,
-    template_args,
     validate,
 )
 
@@ -67,7 +66,7 @@ def ray_pod_specs(objects):
 def test_profiles_start_with_their_install_command():
     for profile in sorted((REPO / "values").glob("*.yaml")):
         first = profile.read_text().splitlines()[0]
-        assert first.startswith(f"# helm install "), f"{profile.name}: first line must give its install command"
+        assert first.startswith("# helm install "), f"{profile.name}: first line must give its install command"
     assert {name.split(":")[0] for name in PROFILE_COMMANDS} == {p.name for p in (REPO / "values").glob("*.yaml")}
 
 

@@ -1,0 +1,71 @@
+"""Run storage: the same few operations on a local directory (a PVC or NFS mount) and on an object store
+(`s3://…`, through fsspec and s3fs; credentials from the environment).
+
+Small files (run.json, checkpoint markers) are written atomically: a local file is written beside its target,
+synced and renamed into place; an object-store PUT is already all-or-nothing. So a reader, or a run resumed
+after a crash, never sees half a file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import fsspec
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def filesystem(uri: str):
+    """(fsspec filesystem, path within it) of a local path or URI."""
+    return fsspec.core.url_to_fs(uri)
+
+
+def exists(uri: str) -> bool:
+    fs, path = filesystem(uri)
+    return fs.exists(path)
+
+
+def remove(uri: str) -> None:
+    """Deletes a file or a directory tree, if present."""
+    fs, path = filesystem(uri)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def read_bytes(uri: str) -> bytes:
+    with fsspec.open(uri, "rb") as f:
+        return f.read()
+
+
+def read_text(uri: str) -> str:
+    return read_bytes(uri).decode("utf-8")
+
+
+def write_atomic(uri: str, data: bytes | str) -> None:
+    """Writes a whole small file so that no reader ever sees part of it."""
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    if is_remote(uri):
+        with fsspec.open(uri, "wb") as f:
+            f.write(data)
+        return
+    path = uri.removeprefix("file://")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
