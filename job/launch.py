@@ -12,11 +12,10 @@ from __future__ import annotations
 import copy
 import os
 
-import fsspec
-
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
+from . import storage
 from .train import train_loop
 
 
@@ -55,10 +54,9 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     # Read and check every data source here, before any worker starts: a missing path, bad row or unreachable
     # hub id fails now with the source named. The training text also trains the tokenizer, if one is asked for.
     corpus = data_lib.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
-    fs, path = fsspec.core.url_to_fs(run_dir)
+    fs, path = storage.filesystem(run_dir)
     fs.makedirs(path, exist_ok=True)
-    with fsspec.open(f"{run_dir}/config.yaml", "w") as f:
-        f.write(config_lib.to_yaml(cfg))
+    storage.write_atomic(storage.join(run_dir, "config.yaml"), config_lib.to_yaml(cfg))
     loop_config = {"config": config_lib.to_dict(cfg), "run_dir": run_dir}
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)

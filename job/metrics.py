@@ -6,8 +6,9 @@ import json
 import sys
 import time
 
-import fsspec
 import torch
+
+from . import storage
 
 # Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' datasheets. Matched by
 # substring of `torch.cuda.get_device_name()`, first match wins (so "H100 PCIe" precedes "H100").
@@ -42,16 +43,15 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> 
 class MetricsLogger:
     """Writes metric records as JSON lines to stdout and to `<run_dir>/metrics.jsonl` (rank 0 only).
 
-    The file is rewritten whole at each record through fsspec, so the same code writes local paths and object
+    The file is rewritten whole (atomically) at each record, so the same code writes local paths and object
     storage (which cannot append); metric logs are small. Existing lines are kept, so a resumed run continues
     the file; records of steps past `keep_until_step` (the step the run resumed from, 0 when starting fresh)
     are dropped, so steps recomputed after a resume appear once.
     """
 
     def __init__(self, run_dir: str, max_steps: int, progress_bar: str, keep_until_step: int | None = None):
-        self.path = f"{run_dir}/metrics.jsonl"
-        fs, path = fsspec.core.url_to_fs(self.path)
-        self.lines = fs.cat_file(path).decode().splitlines() if fs.exists(path) else []
+        self.path = storage.join(run_dir, "metrics.jsonl")
+        self.lines = storage.read_text(self.path).splitlines() if storage.exists(self.path) else []
         if keep_until_step is not None:
             self.lines = [line for line in self.lines if json.loads(line).get("step", 0) <= keep_until_step]
         show = progress_bar == "on" or (progress_bar == "auto" and sys.stderr.isatty())
@@ -66,8 +66,7 @@ class MetricsLogger:
         line = json.dumps(record)
         print(line, flush=True)
         self.lines.append(line)
-        with fsspec.open(self.path, "w") as f:
-            f.write("\n".join(self.lines) + "\n")
+        storage.write_atomic(self.path, "\n".join(self.lines) + "\n")
         if self.bar is not None and record.get("kind") == "train":
             self.bar.n = record["step"]
             self.bar.set_postfix(loss=f"{record['loss']:.3f}")
