@@ -97,13 +97,32 @@ def gsm8k_prediction(text: str) -> str | None:
     return normalize_number(numbers[-1]) if numbers else None
 
 
-def gsm8k_exact_match(generated: str, reference_answer: str) -> bool:
-    expected = gsm8k_reference(reference_answer)
-    return expected is not None and gsm8k_prediction(generated) == expected
-
-
 TASKS = {"gsm8k": (gsm8k_reference, gsm8k_prediction)}
 """Task name → (reference final answer from a completion, predicted final answer from a generation)."""
+
+
+def score(task: str, generated: str, reference: str) -> tuple[str | None, bool]:
+    """(expected final answer, whether the generation's final answer equals it) for one item of `task`."""
+    reference_of, prediction_of = TASKS[task]
+    expected = reference_of(reference)
+    return expected, expected is not None and prediction_of(generated) == expected
+
+
+def decode_continuation(tokenizer, output_row: torch.Tensor, prompt_len: int) -> str:
+    """The generated text after the prompt, cut at the first EOS (generation itself never stops early)."""
+    new = output_row[prompt_len:].tolist()
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def generate_sample(model, tokenizer, prompt: str, n_tokens: int, device) -> str:
+    """Greedy continuation of `prompt` (all ranks generate the same)."""
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+    model.eval()
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens)
+    model.train()
+    return decode_continuation(tokenizer, out[0], ids.shape[1])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -146,13 +165,11 @@ def task_evaluate(model, tokenizer, items: list[dict], eval_cfg, rank: int, worl
     The first `eval.task_max_examples` items are split across ranks; each rank makes ceil(per_rank / batch)
     `generate` calls of exactly `eval.task_max_new_tokens` tokens, filling in with weight-0 repeats.
     """
-    reference_of, prediction_of = TASKS[eval_cfg.task]
     if eval_cfg.task_max_examples:
         items = items[: eval_cfg.task_max_examples]
     if not items:
         raise data_lib.DataError("eval.task: no held-out rows to evaluate on")
-    eos = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     index, real = _rank_slots(len(items), rank, world)
     bs = eval_cfg.task_batch_size
     correct = counted = 0
@@ -166,12 +183,8 @@ def task_evaluate(model, tokenizer, items: list[dict], eval_cfg, rank: int, worl
         for k, x in enumerate(batch):
             if not real[start + k]:
                 continue
-            new = out[k, ids.shape[1]:].tolist()
-            if eos is not None and eos in new:
-                new = new[: new.index(eos)]
-            got = tokenizer.decode(new, skip_special_tokens=True)
-            expected = reference_of(x["reference"])
-            ok = expected is not None and prediction_of(got) == expected
+            got = decode_continuation(tokenizer, out[k], ids.shape[1])
+            expected, ok = score(eval_cfg.task, got, x["reference"])
             correct, counted = correct + ok, counted + 1
             if len(shown) < eval_cfg.task_log_examples:
                 shown.append({"question": x["question"], "expected": expected, "got": got, "correct": bool(ok)})

@@ -21,7 +21,7 @@ from . import config as config_lib
 from . import data as data_lib
 from . import evidence, nccl
 from . import preflight as preflight_lib
-from .evaluate import evaluate, task_evaluate, task_items
+from .evaluate import evaluate, generate_sample, task_evaluate, task_items
 from .metrics import MetricsLogger, flops_per_token, peak_flops
 from .model import CausalLMWithLoss, build_causal_lm, device_mesh, load_tokenizer, parallelize
 
@@ -254,18 +254,6 @@ def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device:
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
     return optimizer, schedule
-
-
-def generate_sample(model, tokenizer, prompt: str, n_tokens: int, device) -> str:
-    """Greedy continuation of `prompt` (all ranks generate the same; the text is cut at the first EOS)."""
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-    model.eval()
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens)
-    model.train()
-    new = out[0, ids.shape[1]:].tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[: new.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(new)
 
 
 def to_device(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -46,14 +46,18 @@ def test_gsm8k_prediction(generated, expected):
     assert E.gsm8k_prediction(generated) == expected
 
 
+def exact(generated, reference):
+    return E.score("gsm8k", generated, reference)[1]
+
+
 def test_gsm8k_exact_match_hand_checked():
     ref = "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"
-    assert E.gsm8k_exact_match("0.2 x 50 = 10\n#### 10", ref)
-    assert E.gsm8k_exact_match("She earned $10.00", ref)
-    assert not E.gsm8k_exact_match("0.2 per minute\n#### 0.2", ref)
-    assert not E.gsm8k_exact_match("She earned 100", ref)
-    assert not E.gsm8k_exact_match("#### 10", "no final answer here")
-    assert not E.gsm8k_exact_match("10", "#### 1")
+    assert exact("0.2 x 50 = 10\n#### 10", ref)
+    assert exact("She earned $10.00", ref)
+    assert not exact("0.2 per minute\n#### 0.2", ref)
+    assert not exact("She earned 100", ref)
+    assert not exact("#### 10", "no final answer here")
+    assert not exact("10", "#### 1")
 
 
 @needs_gsm8k
@@ -61,7 +65,7 @@ def test_gsm8k_references_all_parse_and_match_themselves():
     with open(GSM8K / "test.jsonl") as f:
         answers = [json.loads(line)["answer"] for line in f]
     assert all(E.gsm8k_reference(a) is not None for a in answers)
-    assert all(E.gsm8k_exact_match(a, a) for a in answers)
+    assert all(exact(a, a) for a in answers)
 
 
 # ---- lockstep generation ------------------------------------------------------------------------------------------------
