@@ -378,17 +378,12 @@ def synthetic_heldout(vocab: int, cfg: config_lib.RunConfig, world: int) -> data
 def eval_indices(n_blocks: int, world: int, micro_batch_size: int, max_batches: int) -> list[list[int]]:
     """The held-out blocks `evaluate.evaluate` reads on `world` ranks (weight-0 repeats left out), as
     micro-batches: the acceptance check measures the same blocks as the final in-training evaluation."""
-    from .evaluate import _rank_slots
+    from .evaluate import eval_batches
 
     batches = []
     for rank in range(world):
-        index, real = _rank_slots(n_blocks, rank, world)
-        n_batches = math.ceil(len(index) / micro_batch_size)
-        if max_batches:
-            n_batches = min(n_batches, max_batches)
-        for i in range(n_batches):
-            window = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
-            chunk = [j for j, ok in zip(index[window], real[window]) if ok]
+        for index, real in eval_batches(n_blocks, rank, world, micro_batch_size, max_batches):
+            chunk = [j for j, ok in zip(index, real) if ok]
             if chunk:
                 batches.append(chunk)
     return batches

@@ -30,6 +30,17 @@ def _rank_slots(n: int, rank: int, world: int) -> tuple[list[int], list[bool]]:
     return [i if i < n else 0 for i in index], [i < n for i in index]
 
 
+def eval_batches(n_blocks: int, rank: int, world: int, micro_batch_size: int, max_batches: int):
+    """Rank `rank`'s held-out micro-batches as (block indices, real?) pairs: ceil(n / world) blocks per rank, in
+    the same number of micro-batches on every rank (capped by `max_batches` when > 0)."""
+    index, real = _rank_slots(n_blocks, rank, world)
+    n_batches = math.ceil(len(index) / micro_batch_size)
+    if max_batches:
+        n_batches = min(n_batches, max_batches)
+    starts = range(0, n_batches * micro_batch_size, micro_batch_size)
+    return [(index[s : s + micro_batch_size], real[s : s + micro_batch_size]) for s in starts]
+
+
 @torch.no_grad()
 def evaluate(model, blocks: data_lib.Blocks, cfg, rank: int, world: int, device) -> float:
     """Mean held-out loss per target token over all ranks (`cfg` is the RunConfig).
@@ -37,18 +48,12 @@ def evaluate(model, blocks: data_lib.Blocks, cfg, rank: int, world: int, device)
     Each rank runs the same number of micro-batches: ceil(blocks / world) blocks each, the ranks that run out
     repeating a block with weight 0. `eval.max_batches` caps the micro-batches per rank.
     """
-    index, real = _rank_slots(len(blocks), rank, world)
-    mb = cfg.train.micro_batch_size
-    n_batches = math.ceil(len(index) / mb)
-    if cfg.eval.max_batches:
-        n_batches = min(n_batches, cfg.eval.max_batches)
     model.eval()
     totals = torch.zeros(2, device=device)
-    for i in range(n_batches):
-        sel = torch.tensor(index[i * mb : (i + 1) * mb])
-        b = blocks.select(sel)
+    for index, real in eval_batches(len(blocks), rank, world, cfg.train.micro_batch_size, cfg.eval.max_batches):
+        b = blocks.select(torch.tensor(index))
         labels = b.labels.clone()
-        labels[~torch.tensor(real[i * mb : (i + 1) * mb])] = data_lib.IGNORE_INDEX  # weight-0 repeats
+        labels[~torch.tensor(real)] = data_lib.IGNORE_INDEX  # weight-0 repeats
         loss_sum, n = model(input_ids=b.input_ids.to(device), labels=labels.to(device),
                             position_ids=b.position_ids.to(device))
         totals += torch.stack([loss_sum.float(), n.float()])
