@@ -215,6 +215,10 @@ class DebugConfig:
     step, once per run name (a marker under `<run>/faults/` stops it from firing again after the resume)."""
     fail_rank: int = 0
     """Rank that dies at `fail_at_step`."""
+    profile_step: Optional[int] = None
+    """Profile this training step on rank 0 (torch.profiler): device time per kernel category (matmul,
+    attention, compiled elementwise, optimizer, communication, copies) and the top kernels, written to
+    `<run>/profile-step<N>.txt`, with a Chrome trace beside it (`.json.gz`)."""
 
 
 @dataclass
@@ -391,6 +395,10 @@ def validate(cfg: RunConfig) -> None:
     if cfg.debug.fail_at_step is not None and not 1 <= cfg.debug.fail_at_step <= cfg.train.max_steps:
         raise ConfigError(
             f"debug.fail_at_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.fail_at_step}"
+        )
+    if cfg.debug.profile_step is not None and not 1 <= cfg.debug.profile_step <= cfg.train.max_steps:
+        raise ConfigError(
+            f"debug.profile_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.profile_step}"
         )
     if not 0 <= cfg.debug.fail_rank < cfg.scaling.num_workers:
         raise ConfigError(

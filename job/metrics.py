@@ -74,3 +74,101 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# Kernel (GPU) or operator (CPU) name fragments -> category; first match wins, on lower-cased names.
+PROFILE_CATEGORIES = [
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
+    ("compiled elementwise", ("triton",)),  # inductor's fused kernels (after its matmul templates, above)
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy/fill", ("copy_in", "copy_out", "memcpy", "memset", "copy", "aten::cat", "catarray", "fill", "zero")),
+    ("communication", ("nccl", "c10d", "all_reduce", "allgather", "all_gather", "reduce_scatter", "backward_reduce")),
+]
+
+
+class StepProfiler:
+    """Profiles one training step on rank 0: where the device time goes, by category and by kernel.
+
+    The device is synchronized before and after the step, so the step is measured alone (slightly slower than
+    in the pipelined loop). Busy time is the union of the kernels' intervals, so the remainder of the step's
+    wall time is when the device waited (host launch overhead, syncs, data).
+    """
+
+    def __init__(self, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.device = device
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self._sync()
+        self.profile = profile(activities=activities)
+        self.profile.start()
+        self.started = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def finish(self, run_dir: str, step: int) -> dict:
+        """Stops, writes `profile-step<N>.txt` and `.json.gz` into the run directory; returns the summary."""
+        import gzip
+        import os
+        import tempfile
+
+        self._sync()
+        wall_ms = (time.perf_counter() - self.started) * 1e3
+        self.profile.stop()
+        summary, text = profile_summary(self.profile.events(), self.device.type, wall_ms, step)
+        storage.write_atomic(storage.join(run_dir, f"profile-step{step}.txt"), text)
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            self.profile.export_chrome_trace(trace)
+            with open(trace, "rb") as f:
+                storage.write_atomic(storage.join(run_dir, f"profile-step{step}.json.gz"), gzip.compress(f.read()))
+        return summary
+
+
+def profile_category(name: str) -> str:
+    lowered = name.lower()
+    return next((cat for cat, keys in PROFILE_CATEGORIES if any(k in lowered for k in keys)), "other")
+
+
+def profile_summary(events, device_type: str, wall_ms: float, step: int, top: int = 25) -> tuple[dict, str]:
+    """Device time by category and the top kernels, as (summary record, text table). On GPU: kernel and copy
+    events (each once); on CPU: the operators' self time (so nested operators are not counted twice)."""
+    times: dict[str, list[float]] = {}  # name -> durations (ms)
+    intervals = []
+    for e in events:
+        if device_type == "cuda":
+            # Device-side events are kernels, copies, and the spans of annotated host regions (FSDP's,
+            # the optimizer step's), which contain kernels already counted.
+            if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation:
+                continue
+            duration = e.time_range.elapsed_us() / 1e3
+            intervals.append((e.time_range.start, e.time_range.end))
+        else:
+            duration = e.self_cpu_time_total / 1e3
+        times.setdefault(e.name, []).append(duration)
+    total = sum(map(sum, times.values()))
+    lines = [f"step {step} on {device_type}: wall {wall_ms:.1f} ms, {'kernel' if device_type == 'cuda' else 'operator'}"
+             f" time {total:.1f} ms"]
+    if intervals:
+        busy, end = 0.0, float("-inf")
+        for start, stop in sorted(intervals):  # union of intervals: overlapping kernels (streams) count once
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        lines[0] += f", device busy {busy / 1e3:.1f} ms ({busy / 1e3 / wall_ms:.1%} of wall)"
+    else:
+        busy = None
+    by_category: dict[str, float] = {}
+    for name, durations in times.items():
+        by_category[profile_category(name)] = by_category.get(profile_category(name), 0.0) + sum(durations)
+    lines += ["", f"{'category':<22}{'ms':>9}{'share':>8}"]
+    for cat, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{cat:<22}{ms:>9.1f}{ms / max(total, 1e-9):>8.1%}")
+    lines += ["", f"{'ms':>9}{'calls':>7}  {'category':<22}name"]
+    for name, durations in sorted(times.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"{sum(durations):>9.2f}{len(durations):>7}  {profile_category(name):<22}{name[:160]}")
+    summary = {"wall_ms": round(wall_ms, 2), "busy_ms": None if busy is None else round(busy / 1e3, 2),
+               "by_category_ms": {cat: round(ms, 2) for cat, ms in by_category.items()}}
+    return summary, "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ from . import data as data_lib
 from . import evidence, nccl
 from . import preflight as preflight_lib
 from .evaluate import evaluate, generate_sample, task_evaluate, task_items
-from .metrics import MetricsLogger, flops_per_token, peak_flops
+from .metrics import MetricsLogger, StepProfiler, flops_per_token, peak_flops
 from .model import CausalLMWithLoss, build_causal_lm, device_mesh, load_tokenizer, parallelize
 
 
@@ -154,6 +154,7 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
     final_eval, latest_checkpoint, accepted = None, resume_from, None
     for step in range(start_step + 1, cfg.train.max_steps + 1):
         checkpoint_lib.maybe_fail(cfg, step, rank, run_dir)
+        profiler = StepProfiler(device) if logger and step == cfg.debug.profile_step else None
         lr = schedule(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -173,6 +174,8 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         interval_tokens += accum * mb * seq
+        if profiler:
+            logger.log({"kind": "profile", "step": step, **profiler.finish(run_dir, step)})
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
             totals = torch.stack([loss_sum, target_sum])

@@ -60,7 +60,8 @@ def test_two_workers_learn_held_out_text(tmp_path, ray_cluster):
 def test_synthetic_run_logs_throughput_and_mfu(tmp_path, ray_cluster):
     raw = tiny_run_config(tmp_path, data={"format": "synthetic", "train": None},
                           model={"train_tokenizer_vocab": None, "overrides": {"num_hidden_layers": 1}},
-                          train={"max_steps": 6, "warmup_steps": 1}, logging={"every_steps": 3, "peak_flops": 1e12})
+                          train={"max_steps": 6, "warmup_steps": 1}, logging={"every_steps": 3, "peak_flops": 1e12},
+                          debug={"profile_step": 4})
     run_dir = run_with_ray(raw)
     start, rows = metrics(run_dir, "start")[0], metrics(run_dir, "train")
     assert [r["step"] for r in rows] == [3, 6]
@@ -69,6 +70,14 @@ def test_synthetic_run_logs_throughput_and_mfu(tmp_path, ray_cluster):
         assert r["mfu"] == pytest.approx(r["tokens_per_s_per_device"] * start["flops_per_token"] / 1e12)
         assert r["grad_norm"] > 0 and math.isfinite(r["loss"])
     assert metrics(run_dir, "eval") == []  # synthetic data has no held-out split
+    # The profiled step: time by category, with the model's matmuls and attention found by name.
+    [profile] = metrics(run_dir, "profile")
+    assert profile["step"] == 4 and profile["wall_ms"] > 0
+    categories = profile["by_category_ms"]
+    assert categories["matmul"] > 0 and categories["attention"] > 0 and categories["optimizer"] > 0, categories
+    text = open(os.path.join(run_dir, "profile-step4.txt")).read()
+    assert text.startswith("step 4 on cpu") and "aten::mm" in text
+    assert os.path.getsize(os.path.join(run_dir, "profile-step4.json.gz")) > 0
 
 
 def run_with_torchrun(raw: dict, storage) -> str:
