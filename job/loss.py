@@ -24,18 +24,31 @@ IGNORE_INDEX = -100
 
 def _loss_and_logit_grad(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Summed cross-entropy of one chunk and its gradient w.r.t. the logits (softmax - onehot), both from one
-    read of the logits. Softmax math in fp32; the gradient is returned in the logits' dtype for the matmuls."""
+    read of the logits. Softmax math in fp32; the gradient is returned in the logits' dtype for the matmuls.
+
+    Written so that, compiled, one kernel reads each row twice (log-sum-exp, then softmax written straight in
+    the logits' dtype) and a second, tiny one writes the target column (softmax - 1, computed in fp32)."""
     x = logits.float()
-    valid = labels != IGNORE_INDEX
+    valid = (labels != IGNORE_INDEX).unsqueeze(1)
     target = labels.clamp(min=0).unsqueeze(1)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    loss = torch.where(valid, (lse - x.gather(1, target)).squeeze(1), 0.0).sum()
-    grad = (x - lse).exp().scatter_add(1, target, torch.full_like(lse, -1.0))
-    return loss, (grad * valid.unsqueeze(1)).to(logits.dtype)
+    target_logit = x.gather(1, target)
+    loss = torch.where(valid, lse - target_logit, 0.0).sum()
+    grad = torch.where(valid, (x - lse).exp(), 0.0).to(logits.dtype)
+    target_grad = torch.where(valid, (target_logit - lse).exp() - 1.0, 0.0).to(logits.dtype)
+    return loss, grad.scatter(1, target, target_grad)
 
 
 # On GPU, one fused kernel per chunk instead of ~8 passes over the [chunk, V] logits in eager mode.
 _loss_and_logit_grad_cuda = torch.compile(_loss_and_logit_grad, dynamic=False)
+
+
+def _add_weight_grad(grad_w: Tensor, g: Tensor, h: Tensor) -> Tensor:
+    """grad_w + g.T @ h, accumulated in fp32 by the GEMM itself: with bf16 inputs one cuBLAS call writes fp32
+    (no bf16 product rounded, cast and added in separate passes over the [V, H] matrix)."""
+    if h.is_cuda and h.dtype != torch.float32:
+        return torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32)
+    return grad_w.addmm_(g.t().float(), h.float())  # CPU: no mixed-dtype GEMM; fp32 runs need no casts
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -55,7 +68,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             loss_sum += chunk_loss
             if with_grad:
                 grad_h[s : s + chunk_size] = g @ weight
-                grad_w += (g.t() @ h).float()  # accumulate the weight gradient in fp32
+                grad_w = _add_weight_grad(grad_w, g, h)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss_sum
