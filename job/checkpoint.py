@@ -406,6 +406,10 @@ def export(model, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference:
     rank = dist.get_rank()
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     result = None
+    if torch.cuda.is_available():
+        # The acceptance process shares this GPU: hand back the allocator's cached blocks (the training
+        # activations' memory), or it runs out of memory after a run that filled the GPU.
+        torch.cuda.empty_cache()
     if rank == 0:
         try:
             result = _write_and_accept(state, model.lm, tokenizer, cfg, run_dir, reference)
@@ -501,7 +505,7 @@ def accept(export_dir: str) -> dict:
         tokenizer = (AutoTokenizer.from_pretrained(export_dir)
                      if os.path.exists(os.path.join(export_dir, "tokenizer_config.json")) else None)
         lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype).to(device)
-        model = CausalLMWithLoss(lm).eval()
+        model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
         if ref["heldout"] == "synthetic":
             blocks = synthetic_heldout(ref["vocab"], cfg, ref["world_size"])
         else:

@@ -197,6 +197,15 @@ def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
     state = model.state_dict()
     for key, value in final.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    # The check evaluates with the run's loss: the chunked loss (the memory-lean one) accepts the same export.
+    chunked = tmp_path / "chunked"
+    shutil.copytree(export, chunked)
+    reference_json = json.load(open(chunked / "reference.json"))
+    reference_json["config"]["train"]["loss_chunk_size"] = 100
+    json.dump(reference_json, open(chunked / "reference.json", "w"))
+    proc = subprocess.run([sys.executable, "-m", "job", "accept", str(chunked)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.load(open(chunked / "acceptance.json"))["eval_loss"] == pytest.approx(final_eval, abs=1e-5)
     # The check can fail: damaged weights are rejected by a fresh `python -m job accept`, without a marker.
     damaged = tmp_path / "damaged"
     shutil.copytree(export, damaged)
