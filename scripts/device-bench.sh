@@ -5,13 +5,14 @@
 #   scripts/device-bench.sh gsm8k                                 real data on 2 GPUs under Ray Train: Qwen2.5-1.5B
 #       architecture (random init, BPE tokenizer trained on GSM8K), preflight, held-out and task eval; GSM8K
 #       must be carried in .devdata/gsm8k/ (cp ../shared/data/gsm8k/*.jsonl .devdata/gsm8k/)
-# Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out.
+# Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out. BENCH_ARGS adds
+# arguments to every benchmark call, e.g. BENCH_ARGS="--profile-step 12 --timeout 400".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/device-env.sh || exit 1
 out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
-bench=(python3 scripts/benchmark.py --preset qwen2.5-1.5b --seq-len 4096 --timeout 280)
+bench=(python3 scripts/benchmark.py --preset qwen2.5-1.5b --seq-len 4096 --timeout 280 ${BENCH_ARGS:-})
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
 case "${1:-1gpu}" in
   1gpu)

@@ -9,6 +9,7 @@ GPU (bf16 autocast, SDPA attention, FSDP2 full-shard of Qwen2DecoderLayer, fused
     torchrun --nproc-per-node N scripts/hf_trainer_baseline.py --preset qwen2.5-1.5b \
         --seq-len 4096 --batch 4 --steps 15 --warmup 5
   (N=1 also goes through FSDP2, so the code path matches N>1; --fsdp off for plain 1-GPU.)
+  --grad-accum K: K micro-batches per optimizer step; a step's tokens are batch × K × seq-len.
 CPU (CI): python scripts/hf_trainer_baseline.py --preset qwen2-tiny --seq-len 32 --batch 2 --steps 3 --warmup 1
   (fp32, one process, no FSDP.)
 
@@ -82,6 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-1.5b")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=4, help="per-device batch size (sequences)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
@@ -133,6 +135,7 @@ def main(argv=None) -> dict:
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=a.batch,
+        gradient_accumulation_steps=a.grad_accum,
         max_steps=a.steps,
         learning_rate=a.lr,
         lr_scheduler_type="constant",
@@ -149,7 +152,7 @@ def main(argv=None) -> dict:
         seed=a.seed,
         **fsdp_kw,
     )
-    data = RandomTokens(a.steps * a.batch * world, a.seq_len, cfg.vocab_size, seed=a.seed)
+    data = RandomTokens(a.steps * a.batch * a.grad_accum * world, a.seq_len, cfg.vocab_size, seed=a.seed)
     timer = make_timer_callback()
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
     if cuda:
@@ -164,7 +167,7 @@ def main(argv=None) -> dict:
         fsdp_version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
     intervals = [b - e for e, b in zip(timer.ends, timer.ends[1:])][a.warmup:]
     step = statistics.median(intervals)
-    tokens = a.batch * a.seq_len
+    tokens = a.batch * a.grad_accum * a.seq_len
     res = {
         "impl": "hf_trainer" + (f"_fsdp{fsdp_version}" if fsdp_version else ""),
         "wrapped": type(trainer.model_wrapped).__name__,
@@ -173,6 +176,7 @@ def main(argv=None) -> dict:
         "world_size": world,
         "seq_len": a.seq_len,
         "batch_per_device": a.batch,
+        "grad_accum": a.grad_accum,
         "steps": len(timer.ends),
         "warmup": a.warmup,
         "grad_ckpt": a.grad_ckpt,
