@@ -25,7 +25,7 @@ from importlib.metadata import distribution, version, PackageNotFoundError
 from packaging.requirements import Requirement
 want = {"ray": {"train"}, "datasets": set(), "pydantic": set(), "pydantic-core": set(),
         "jsonschema": set(), "referencing": set(), "multiprocess": set(),
-        "tensorboardX": set(), "transformers": {"torch"}, "accelerate": set()}
+        "tensorboardX": set(), "transformers": {"torch"}, "accelerate": set(), "pytest": set()}
 bad = []
 for name, extras in want.items():
     try:

@@ -22,6 +22,7 @@ DEST=.whl
 #   ray core:      jsonschema -> jsonschema-specifications, referencing, rpds-py
 #   ray[train]:    tensorboardX, pydantic -> pydantic-core, annotated-types, typing-inspection
 #   datasets:      dill, multiprocess
+#   the tests' CUDA cases (python -m pytest tests/test_loss.py there): pytest -> iniconfig, pluggy, pygments
 # Already on the device, within the bounds (versions read there 2026-11-30): click filelock
 # msgpack packaging (26.3) protobuf (7.36.2) pyyaml requests attrs numpy (2.5.2) pandas
 # (3.0.6) pyarrow (25.0.1; datasets needs >=24) fsspec (2026.7.0; datasets needs <=2026.9.0)
@@ -42,6 +43,10 @@ PKGS=(
   pydantic-core==2.50.5
   annotated-types==0.8.0
   typing-inspection==0.4.5
+  pytest==9.2.0
+  iniconfig==2.3.1
+  pluggy==1.7.0
+  pygments==2.21.0
 )
 
 mkdir -p "$DEST"

@@ -1,4 +1,5 @@
-"""job.loss.chunked_cross_entropy against the full-logits fp32 reference (CPU, small sizes)."""
+"""job.loss.chunked_cross_entropy against the full-logits fp64 reference (small sizes; CPU, and the compiled
+CUDA path where a GPU is present: `python -m pytest tests/test_loss.py` on the GPU machine)."""
 
 import pytest
 import torch
@@ -44,8 +45,12 @@ def test_fp32_matches_reference(chunk_size):
     assert not hidden.grad[labels == -100].any()  # ignored tokens get no gradient
 
 
-def test_bf16_matches_reference():
-    hidden, weight, labels = _inputs(torch.bfloat16, seed=1)
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_bf16_matches_reference(device):
+    """On CUDA: the compiled softmax-gradient kernel and the fp32-output weight-gradient GEMM."""
+    hidden, weight, labels = (t.detach().to(device) for t in _inputs(torch.bfloat16, seed=1))
+    hidden.requires_grad_(), weight.requires_grad_()
     loss, n = chunked_cross_entropy(hidden, weight, labels, chunk_size=8)
     assert loss.dtype == torch.float32
     (loss * 0.5).backward()  # a non-unit upstream gradient
