@@ -1,9 +1,13 @@
-"""Throughput accounting (FLOPs per token, MFU) and rank 0's metrics log (stdout JSON lines + metrics.jsonl)."""
+"""Throughput accounting (FLOPs per token, MFU), rank 0's metrics log (stdout JSON lines + metrics.jsonl), and the
+one-step profiler (`debug.profile_step`): where the device time goes, by kernel category."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -111,10 +115,6 @@ class StepProfiler:
 
     def finish(self, run_dir: str, step: int) -> dict:
         """Stops, writes `profile-step<N>.txt` and `.json.gz` into the run directory; returns the summary."""
-        import gzip
-        import os
-        import tempfile
-
         self._sync()
         wall_ms = (time.perf_counter() - self.started) * 1e3
         self.profile.stop()
