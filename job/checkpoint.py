@@ -26,6 +26,7 @@ and resume scans the run directory for the newest complete checkpoint.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -259,8 +260,6 @@ def _ray_report(name: str, metrics: dict) -> None:
 
 
 def _torch_bytes(obj) -> bytes:
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -305,8 +304,6 @@ def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
     rng = storage.join(uri, "rng", f"rank{dist.get_rank():05d}.pt")
     if storage.exists(rng):  # a rank that did not exist before (more workers now) keeps its seeded state
         try:
-            import io
-
             _set_rng_state(torch.load(io.BytesIO(storage.read_bytes(rng)), weights_only=False))
         except Exception as e:
             raise CheckpointError(f"checkpoint {uri}: cannot read {rng}: {type(e).__name__}: {e}") from e
@@ -522,9 +519,9 @@ def accept(export_dir: str) -> dict:
                 prompt = tokenizer(cfg.eval.sample_prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
             else:
                 prompt = blocks.input_ids[:1, :8]
-            out = lm.generate(input_ids=prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
-                              max_new_tokens=cfg.eval.sample_tokens, do_sample=False, eos_token_id=None,
-                              pad_token_id=lm.config.pad_token_id or 0)
+            # Greedy, EOS ignored: the generation settings of training's sample (CausalLMWithLoss.forward).
+            out = model(input_ids=prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
+                        max_new_tokens=cfg.eval.sample_tokens)
         new = out[0, prompt.shape[1]:].tolist()
         diff = abs(loss - ref["eval_loss"])
         result.update({
