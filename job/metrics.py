@@ -160,15 +160,16 @@ def profile_summary(events, device_type: str, wall_ms: float, step: int, top: in
         lines[0] += f", device busy {busy / 1e3:.1f} ms ({busy / 1e3 / wall_ms:.1%} of wall)"
     else:
         busy = None
+    category = {name: profile_category(name) for name in times}
     by_category: dict[str, float] = {}
     for name, durations in times.items():
-        by_category[profile_category(name)] = by_category.get(profile_category(name), 0.0) + sum(durations)
+        by_category[category[name]] = by_category.get(category[name], 0.0) + sum(durations)
     lines += ["", f"{'category':<22}{'ms':>9}{'share':>8}"]
     for cat, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
         lines.append(f"{cat:<22}{ms:>9.1f}{ms / max(total, 1e-9):>8.1%}")
     lines += ["", f"{'ms':>9}{'calls':>7}  {'category':<22}name"]
     for name, durations in sorted(times.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"{sum(durations):>9.2f}{len(durations):>7}  {profile_category(name):<22}{name[:160]}")
+        lines.append(f"{sum(durations):>9.2f}{len(durations):>7}  {category[name]:<22}{name[:160]}")
     summary = {"wall_ms": round(wall_ms, 2), "busy_ms": None if busy is None else round(busy / 1e3, 2),
                "by_category_ms": {cat: round(ms, 2) for cat, ms in by_category.items()}}
     return summary, "\n".join(lines) + "\n"
