@@ -137,29 +137,28 @@ def profile_summary(events, device_type: str, wall_ms: float, step: int, top: in
     """Device time by category and the top kernels, as (summary record, text table). On GPU: kernel and copy
     events (each once); on CPU: the operators' self time (so nested operators are not counted twice)."""
     times: dict[str, list[float]] = {}  # name -> durations (ms)
-    intervals = []
+    kernels, host_spans = [], []  # (start_us, end_us, name)
     for e in events:
         if device_type == "cuda":
             # Device-side events are kernels, copies, and the spans of annotated host regions (FSDP's,
             # the optimizer step's), which contain kernels already counted.
-            if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                host_spans.append((e.time_range.start, e.time_range.end, e.name))
+                continue
+            if e.is_user_annotation:
                 continue
             duration = e.time_range.elapsed_us() / 1e3
-            intervals.append((e.time_range.start, e.time_range.end))
+            kernels.append((e.time_range.start, e.time_range.end, e.name))
         else:
             duration = e.self_cpu_time_total / 1e3
         times.setdefault(e.name, []).append(duration)
     total = sum(map(sum, times.values()))
     lines = [f"step {step} on {device_type}: wall {wall_ms:.1f} ms, {'kernel' if device_type == 'cuda' else 'operator'}"
              f" time {total:.1f} ms"]
-    if intervals:
-        busy, end = 0.0, float("-inf")
-        for start, stop in sorted(intervals):  # union of intervals: overlapping kernels (streams) count once
-            busy += max(0.0, stop - max(start, end))
-            end = max(end, stop)
+    busy, gaps = None, []
+    if kernels:
+        busy, gaps = device_timeline(kernels)
         lines[0] += f", device busy {busy / 1e3:.1f} ms ({busy / 1e3 / wall_ms:.1%} of wall)"
-    else:
-        busy = None
     category = {name: profile_category(name) for name in times}
     by_category: dict[str, float] = {}
     for name, durations in times.items():
@@ -172,4 +171,45 @@ def profile_summary(events, device_type: str, wall_ms: float, step: int, top: in
         lines.append(f"{sum(durations):>9.2f}{len(durations):>7}  {category[name]:<22}{name[:160]}")
     summary = {"wall_ms": round(wall_ms, 2), "busy_ms": None if busy is None else round(busy / 1e3, 2),
                "by_category_ms": {cat: round(ms, 2) for cat, ms in by_category.items()}}
+    if kernels:
+        # Idle time is in gaps between kernels, or at the step's edges: before its first kernel starts (the host
+        # preparing the step) and after its last one ends.
+        gap_ms = sum(g[1] - g[0] for g in gaps) / 1e3
+        summary["idle_gaps_ms"] = round(gap_ms, 2)
+        lines += idle_gap_lines(gaps, host_spans, min(k[0] for k in kernels))
+        lines.append(f"idle at the step's edges (before the first kernel, after the last): "
+                     f"{wall_ms - busy / 1e3 - gap_ms:.1f} ms")
     return summary, "\n".join(lines) + "\n"
+
+
+def device_timeline(kernels: list[tuple]) -> tuple[float, list[tuple]]:
+    """From kernel intervals `(start_us, end_us, name)` on any streams: device busy time (their union, so
+    overlapping kernels count once, µs) and the idle gaps between them, `(start_us, end_us, name_before,
+    name_after)` in time order."""
+    busy, end, last, gaps = 0.0, None, None, []
+    for start, stop, name in sorted(kernels):
+        if end is not None and start > end:
+            gaps.append((end, start, last, name))
+        busy += stop - start if end is None else max(0.0, stop - max(start, end))
+        if end is None or stop >= end:
+            end, last = stop, name
+    return busy, gaps
+
+
+def idle_gap_lines(gaps: list[tuple], host_spans: list[tuple], t0: float, top: int = 10,
+                   min_us: float = 20.0) -> list[str]:
+    """Text table of the largest idle gaps: when in the step, how long, the kernels around it, and what the host
+    was running when the device resumed (the innermost host span containing that moment: the operator or
+    annotated region, e.g. FSDP's or the optimizer's, that launched the next kernel or held it back)."""
+    def host_at(t: float) -> str:
+        spans = [(stop - start, name) for start, stop, name in host_spans if start <= t <= stop]
+        return min(spans)[1] if spans else "-"
+
+    large = [g for g in gaps if g[1] - g[0] >= min_us]
+    lines = ["", f"idle gaps >= {min_us / 1e3:.2f} ms: {len(large)}, {sum(g[1] - g[0] for g in large) / 1e3:.1f} ms "
+                 f"(all gaps: {len(gaps)}, {sum(g[1] - g[0] for g in gaps) / 1e3:.1f} ms)",
+             f"{'at ms':>8}{'idle ms':>9}  {'host at resume':<40}{'kernel before -> kernel after'}"]
+    for start, stop, before, after in sorted(large, key=lambda g: g[0] - g[1])[:top]:
+        lines.append(f"{(start - t0) / 1e3:>8.1f}{(stop - start) / 1e3:>9.2f}  {host_at(stop)[:38]:<40}"
+                     f"{before[:50]} -> {after[:50]}")
+    return lines
