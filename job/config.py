@@ -160,8 +160,12 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """`bf16`: bf16 parameters and compute with fp32 gradient reduction; `fp32`: full precision;
-    `auto`: bf16 on GPU, fp32 on CPU."""
+    """`bf16`: bf16 parameters and compute (fp32 master weights and optimizer state); `fp32`: full
+    precision; `auto`: bf16 on GPU, fp32 on CPU."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Precision in which gradients are summed across workers (FSDP's reduce-scatter, HSDP's all-reduce) before
+    they reach the fp32 optimizer. `bf16` halves gradient traffic and the copies around it, as Hugging Face
+    accelerate's FSDP bf16 policy does, but rounds every sum to bf16 (8 bits of mantissa)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each layer's forward (less memory, one more all-gather in backward)."""
     activation_checkpointing: bool = False

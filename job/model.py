@@ -58,6 +58,9 @@ SDPA_BACKENDS = {
 }
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def load_tokenizer(cfg: ModelConfig):
     """The configured tokenizer, or None when there is none to load (synthetic data, trained tokenizers)."""
     from transformers import AutoTokenizer
@@ -162,12 +165,12 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
 
     Per layer, in order: activation checkpointing (recompute in backward), `torch.compile` (one compiled
     graph per layer: the layers are identical, so it compiles once), then sharding. With bf16, parameters are
-    gathered and computed in bf16 while gradients are reduced in fp32 and the sharded master weights and
-    optimizer state stay fp32.
+    gathered and computed in bf16 while the sharded master weights and optimizer state stay fp32; gradients
+    are reduced in `cfg.reduce_dtype`.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype])
     shard_args = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         shard_args["offload_policy"] = CPUOffloadPolicy()

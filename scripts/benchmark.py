@@ -44,6 +44,7 @@ class Variant(NamedTuple):
 # One lever at a time against `default`, then `best`: every lever that helps together, and its twins.
 BEST = {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096, "parallel.compile": True}
 CUDNN = {**BEST, "model.sdpa_backend": "cudnn"}
+BF16_REDUCE = {**CUDNN, "parallel.reduce_dtype": "bf16"}
 AUTOTUNE = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
 VARIANTS = {
     "hf": Variant("hf", 4),
@@ -59,6 +60,8 @@ VARIANTS = {
     "best-b8-cudnn": Variant("torchrun", 8, CUDNN),
     "best-cudnn-autotune": Variant("torchrun", 4, CUDNN, env=AUTOTUNE),
     "best-b8-cudnn-autotune": Variant("torchrun", 8, CUDNN, env=AUTOTUNE),
+    "best-cudnn-bf16-reduce": Variant("torchrun", 4, BF16_REDUCE),
+    "best-b8-cudnn-bf16-reduce": Variant("torchrun", 8, BF16_REDUCE),
     "best-ray": Variant("ray", 4, BEST),
     "best-cudnn-hsdp": Variant("torchrun", 4, {**CUDNN, "parallel.shard_group_size": 1}),
 }
@@ -116,7 +119,7 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
     row.update(tokens_per_s_per_device=tps, mfu=statistics.median(mfu) if mfu else None,
                step_time_s=tokens_per_step / tps, peak_mem_gib=max((r["peak_mem_gib"] or 0) for r in rows))
     for profile in (r for r in records if r["kind"] == "profile"):
-        row["profile"] = {k: profile[k] for k in ("wall_ms", "busy_ms", "by_category_ms")}
+        row["profile"] = {k: profile[k] for k in ("wall_ms", "busy_ms", "idle_gaps_ms", "by_category_ms") if k in profile}
         if args.out:  # the profile's kernel table beside the rows
             text = (workdir / "runs" / name / f"profile-step{profile['step']}.txt").read_text()
             Path(args.out).with_name(f"{Path(args.out).stem}-{name}-{nproc}.profile.txt").write_text(text)
@@ -127,10 +130,10 @@ def print_table(rows: list[dict]) -> None:
     """One line per variant; `vs hf`: tokens/s over the baseline's at the same global batch and GPU count."""
     baselines = {(r["batch"] * r["accum"], r["gpus"]): r["tokens_per_s_per_device"]
                  for r in rows if r["launcher"] == "hf" and "error" not in r}
-    print(f"{'variant':<24}{'launcher':<10}{'GPUs':>5}{'mb x acc':>9}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
+    print(f"{'variant':<27}{'launcher':<10}{'GPUs':>5}{'mb x acc':>9}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
           f"{'mem GiB':>9}{'vs hf':>7}")
     for r in rows:
-        head = f"{r['variant']:<24}{r['launcher']:<10}{r['gpus']:>5}{str(r['batch']) + ' x ' + str(r['accum']):>9}"
+        head = f"{r['variant']:<27}{r['launcher']:<10}{r['gpus']:>5}{str(r['batch']) + ' x ' + str(r['accum']):>9}"
         if "error" in r:
             print(f"{head}  FAILED {r['error']}")
             continue
