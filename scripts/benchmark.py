@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 class Variant(NamedTuple):
     launcher: str  # "hf" (the baseline script), "torchrun" or "ray" (our job)
     batch: int  # micro-batch (sequences per device)
-    overrides: dict = {}  # config overrides (`--set key=value`) of our job
+    overrides: dict = {}  # config overrides (`--set key=value`) of our job; options of the baseline script
     accum: int = 1  # micro-batches per optimizer step: global batch = batch × accum × GPUs
     env: dict = {}  # extra environment, e.g. inductor settings
 
@@ -49,6 +49,7 @@ AUTOTUNE = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
 VARIANTS = {
     "hf": Variant("hf", 4),
     "hf-accum2": Variant("hf", 4, accum=2),  # global batch 8 (micro-batch 8 runs out of memory)
+    "hf-cudnn": Variant("hf", 4, {"sdpa-backend": "cudnn"}),  # fairness check: our attention kernel in HF's loop
     "default": Variant("torchrun", 4),
     "no-reshard": Variant("torchrun", 4, {"parallel.reshard_after_forward": False}),
     "chunked-ce": Variant("torchrun", 4, {"train.loss_chunk_size": 4096}),
@@ -92,7 +93,8 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
         cmd = [*torchrun, str(REPO / "scripts/hf_trainer_baseline.py"), "--preset",
                args.preset, "--seq-len", str(args.seq_len),
                "--batch", str(variant.batch), "--grad-accum", str(variant.accum), "--steps", str(args.steps),
-               "--warmup", str(args.skip * args.log_every)]
+               "--warmup", str(args.skip * args.log_every),
+               *(f"--{option}={value}" for option, value in variant.overrides.items())]
     else:
         config = workdir / f"{name}-{nproc}.yaml"
         config.write_text(yaml.safe_dump(run_config(args, name, variant, nproc, str(workdir / "runs"))))
@@ -127,9 +129,10 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    """One line per variant; `vs hf`: tokens/s over the baseline's at the same global batch and GPU count."""
+    """One line per variant; `vs hf`: tokens/s over the baseline's (as specified: no options) at the same global
+    batch and GPU count."""
     baselines = {(r["batch"] * r["accum"], r["gpus"]): r["tokens_per_s_per_device"]
-                 for r in rows if r["launcher"] == "hf" and "error" not in r}
+                 for r in rows if r["launcher"] == "hf" and not VARIANTS[r["variant"]].overrides and "error" not in r}
     print(f"{'variant':<27}{'launcher':<10}{'GPUs':>5}{'mb x acc':>9}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
           f"{'mem GiB':>9}{'vs hf':>7}")
     for r in rows:

@@ -22,6 +22,7 @@ Requires accelerate (the Trainer needs it); it is in the device image.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # The same architectures as the job's (`model.preset`), so both sides of the benchmark train the same model.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,11 +91,16 @@ def parse_args(argv=None):
     p.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
                    help="auto: FSDP2 when on CUDA and launched by torchrun")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of each decoder layer")
+    p.add_argument("--sdpa-backend", choices=["default", "cudnn"], default="default",
+                   help="cudnn: force SDPA's cuDNN attention, as our job's model.sdpa_backend does (a fairness "
+                        "check of the comparison; the reference baseline keeps PyTorch's default choice)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.steps <= a.warmup + 1:
         p.error("--steps must exceed --warmup + 1 (need at least two timed step ends)")
+    if a.sdpa_backend == "cudnn" and not torch.cuda.is_available():
+        p.error("--sdpa-backend cudnn needs a CUDA device")
     return a
 
 
@@ -157,8 +164,10 @@ def main(argv=None) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    attention = (sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if a.sdpa_backend == "cudnn" else contextlib.nullcontext())
     t0 = time.perf_counter()
-    out = trainer.train()
+    with attention:
+        out = trainer.train()
     wall = time.perf_counter() - t0
 
     # What the Trainer actually did (accelerate falls back to DDP on CPU even with --fsdp on).
@@ -180,6 +189,7 @@ def main(argv=None) -> dict:
         "steps": len(timer.ends),
         "warmup": a.warmup,
         "grad_ckpt": a.grad_ckpt,
+        "sdpa_backend": a.sdpa_backend,
         "dtype": "bf16-autocast" if cuda else "fp32",
         "step_time_s": round(step, 5),
         "compute_step_time_s": round(statistics.median(timer.compute[a.warmup + 1:]), 5),

@@ -31,3 +31,20 @@ def test_benchmark_runs_every_launcher_and_prints_the_table(tmp_path):
     # Each baseline's ratio to itself (the ratio is to the baseline of the same global batch), and no ratio for a
     # global batch the baseline did not run.
     assert table[1].split()[-1] == "1.00" and table[2].split()[-1] == "1.00" and table[3].split()[-1] != "-"
+
+
+def test_ratios_are_to_the_baseline_as_specified_not_to_its_variants(capsys):
+    """`hf-cudnn` (the baseline with an option) is a row of its own; ratios stay against plain `hf`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    row = dict(gpus=1, batch=4, accum=1, mfu=None, step_time_s=1.0, peak_mem_gib=None)
+    benchmark.print_table([
+        {**row, "variant": "hf", "launcher": "hf", "tokens_per_s_per_device": 100.0},
+        {**row, "variant": "hf-cudnn", "launcher": "hf", "tokens_per_s_per_device": 110.0},
+        {**row, "variant": "best-cudnn", "launcher": "torchrun", "tokens_per_s_per_device": 150.0},
+    ])
+    ratios = [line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert ratios == ["1.00", "1.10", "1.50"]

@@ -29,3 +29,10 @@ def test_tiny_cpu_run_prints_json_line(tmp_path):
     assert res["tokens_per_s_per_device"] > 0 and res["step_time_s"] > 0
     vocab = PRESETS["qwen2-tiny"]["vocab_size"]
     assert abs(res["final_loss"] - math.log(vocab)) < 1.0  # random tokens: ~ln(vocab) at init, nothing to learn
+
+
+def test_cudnn_attention_without_cuda_is_refused_by_name():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--preset", "qwen2-tiny", "--sdpa-backend", "cudnn"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--sdpa-backend cudnn needs a CUDA device" in proc.stderr
