@@ -64,6 +64,7 @@ VARIANTS = {
     "best-cudnn-bf16-reduce": Variant("torchrun", 4, BF16_REDUCE),
     "best-b8-cudnn-bf16-reduce": Variant("torchrun", 8, BF16_REDUCE),
     "best-ray": Variant("ray", 4, BEST),
+    "best-cudnn-ray": Variant("ray", 4, CUDNN),
     "best-cudnn-hsdp": Variant("torchrun", 4, {**CUDNN, "parallel.shard_group_size": 1}),
 }
 
