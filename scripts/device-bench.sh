@@ -5,6 +5,8 @@
 #   scripts/device-bench.sh gsm8k                                 real data on 2 GPUs under Ray Train: Qwen2.5-1.5B
 #       architecture (random init, BPE tokenizer trained on GSM8K), preflight, held-out and task eval; GSM8K
 #       must be carried in .devdata/gsm8k/ (cp ../shared/data/gsm8k/*.jsonl .devdata/gsm8k/)
+#   scripts/device-bench.sh gsm8k-throughput [MICRO_BATCHES]      the same packed data, training only (24 steps,
+#       step 20 profiled) at each micro-batch (default "4 16"): throughput and device idle of real-data steps
 # Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out. BENCH_ARGS adds
 # arguments to every benchmark call, e.g. BENCH_ARGS="--profile-step 12 --timeout 400".
 set -uo pipefail
@@ -14,6 +16,11 @@ out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
 bench=(python3 scripts/benchmark.py --preset qwen2.5-1.5b --seq-len 4096 --timeout 280 ${BENCH_ARGS:-})
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
+# examples/gsm8k.yaml on the GPUs: the reference architecture with a tokenizer trained on GSM8K (no hub access)
+gsm8k=(--config examples/gsm8k.yaml --set storage_path=/tmp/runs
+  --set data.train.path=.devdata/gsm8k/train.jsonl --set data.validation.path=.devdata/gsm8k/test.jsonl
+  --set model.preset=qwen2.5-1.5b --set model.train_tokenizer_vocab=8192 --set scaling.use_gpu=true
+  --set train.seq_len=1024 --set parallel.compile=true --set train.loss_chunk_size=4096)
 case "${1:-1gpu}" in
   1gpu)
     CUDA_VISIBLE_DEVICES=0 "${bench[@]}" --gpus 1 --only "${2:-hf,default,no-reshard,chunked-ce}" --out "$out/gpu0.json" >"$out/gpu0.log" 2>&1 &
@@ -23,12 +30,18 @@ case "${1:-1gpu}" in
   2gpu)
     "${bench[@]}" --gpus 2 --only "${2:-hf,compile-no-reshard,best,best-ray}" --out "$out/gpu2.json" 2>&1 | tee "$out/gpu2.log" | tail -n 8 ;;
   gsm8k)
-    python3 -m job --config examples/gsm8k.yaml --set storage_path=/tmp/runs \
-      --set data.train.path=.devdata/gsm8k/train.jsonl --set data.validation.path=.devdata/gsm8k/test.jsonl \
-      --set model.preset=qwen2.5-1.5b --set model.train_tokenizer_vocab=8192 --set scaling.use_gpu=true \
-      --set train.seq_len=1024 --set train.lr=3e-4 --set train.max_steps=150 --set eval.every_steps=50 \
-      --set parallel.compile=true --set train.loss_chunk_size=4096 --set preflight.enabled=true \
-      >"$out/gsm8k.log" 2>&1
+    python3 -m job "${gsm8k[@]}" --set train.lr=3e-4 --set train.max_steps=150 --set eval.every_steps=50 \
+      --set preflight.enabled=true >"$out/gsm8k.log" 2>&1
     echo "exit $?"; cp /tmp/runs/gsm8k-local/run.json /tmp/runs/gsm8k-local/metrics.jsonl "$out/"
     grep -v '^ ' "$out/gsm8k.log" | grep '"kind"' | cut -c1-400 | tail -n 14 ;;
+  gsm8k-throughput)
+    for mb in ${2:-4 16}; do
+      python3 -m job "${gsm8k[@]}" --set name=gsm8k-mb$mb --set train.micro_batch_size=$mb --set train.max_steps=24 \
+        --set train.warmup_steps=2 --set logging.every_steps=2 --set eval.every_steps=0 --set eval.task=null \
+        --set checkpoint.export=false --set parallel.reshard_after_forward=false --set debug.profile_step=20 \
+        >"$out/gsm8k-mb$mb.log" 2>&1
+      echo "micro-batch $mb: exit $?"; cp /tmp/runs/gsm8k-mb$mb/profile-step20.txt "$out/gsm8k-mb$mb.profile.txt"
+      grep -v '^ ' "$out/gsm8k-mb$mb.log" | grep '"kind": "train"' | cut -c1-330 | tail -n 3
+      head -n 1 "$out/gsm8k-mb$mb.profile.txt"
+    done ;;
 esac
