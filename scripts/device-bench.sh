@@ -7,6 +7,13 @@
 #       must be carried in .devdata/gsm8k/ (cp ../shared/data/gsm8k/*.jsonl .devdata/gsm8k/)
 #   scripts/device-bench.sh gsm8k-throughput [MICRO_BATCHES]      the same packed data, training only (24 steps,
 #       step 20 profiled) at each micro-batch (default "4 16"): throughput and device idle of real-data steps
+#   scripts/device-bench.sh gsm8k-values [--set KEY=VALUE ...]    values/gsm8k.yaml end to end as the chart renders
+#       it: carry the rendered manifests in .devdata/gsm8k-render.yaml (from the repo root, here:
+#       helm template gsm8k . -f values/gsm8k.yaml --set run.data.train=.devdata/gsm8k/train.jsonl \
+#         --set run.data.validation=.devdata/gsm8k/test.jsonl > .devdata/gsm8k-render.yaml);
+#       the run config is read from its ConfigMap as the kubelet mounts it, and only what needs the hub (the
+#       pretrained model) or the cluster (storage) is overridden, plus the --set arguments given (e.g.
+#       --set scaling.num_workers=2 on two GPUs)
 # Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out. BENCH_ARGS adds
 # arguments to every benchmark call, e.g. BENCH_ARGS="--profile-step 12 --timeout 400".
 set -uo pipefail
@@ -44,4 +51,13 @@ case "${1:-1gpu}" in
       grep -v '^ ' "$out/gsm8k-mb$mb.log" | grep '"kind": "train"' | cut -c1-330 | tail -n 3
       head -n 1 "$out/gsm8k-mb$mb.profile.txt"
     done ;;
+  gsm8k-values)
+    python3 -c 'import sys, yaml
+run = [d["data"]["run.yaml"] for d in yaml.safe_load_all(sys.stdin) if d and d["kind"] == "ConfigMap" and "run.yaml" in d["data"]]
+open("/tmp/run.yaml", "w").write(run[0])' <.devdata/gsm8k-render.yaml || exit 1
+    python3 -m job --config /tmp/run.yaml --set name=gsm8k-values --set storage_path=/tmp/runs --set model.init=random \
+      --set model.path=null --set model.preset=qwen2.5-1.5b --set model.train_tokenizer_vocab=8192 \
+      --set scaling.cpus_per_worker=4 "${@:2}" >"$out/gsm8k-values.log" 2>&1
+    echo "exit $?"; cp /tmp/run.yaml /tmp/runs/gsm8k-values/run.json /tmp/runs/gsm8k-values/metrics.jsonl "$out/"
+    grep -v '^ ' "$out/gsm8k-values.log" | grep '"kind"' | cut -c1-400 | tail -n 16 ;;
 esac
