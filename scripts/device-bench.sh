@@ -23,11 +23,12 @@ out=${OUT:-/tmp/bench-out}
 mkdir -p "$out"
 bench=(python3 scripts/benchmark.py --preset qwen2.5-1.5b --seq-len 4096 --timeout 280 ${BENCH_ARGS:-})
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
-# examples/gsm8k.yaml on the GPUs: the reference architecture with a tokenizer trained on GSM8K (no hub access)
-gsm8k=(--config examples/gsm8k.yaml --set storage_path=/tmp/runs
+# No hub access here: the reference architecture (random init) with a BPE tokenizer trained on the run's data
+hub_free=(--set storage_path=/tmp/runs --set model.preset=qwen2.5-1.5b --set model.train_tokenizer_vocab=8192)
+# examples/gsm8k.yaml on the GPUs
+gsm8k=(--config examples/gsm8k.yaml "${hub_free[@]}"
   --set data.train.path=.devdata/gsm8k/train.jsonl --set data.validation.path=.devdata/gsm8k/test.jsonl
-  --set model.preset=qwen2.5-1.5b --set model.train_tokenizer_vocab=8192 --set scaling.use_gpu=true
-  --set train.seq_len=1024 --set parallel.compile=true --set train.loss_chunk_size=4096)
+  --set scaling.use_gpu=true --set train.seq_len=1024 --set parallel.compile=true --set train.loss_chunk_size=4096)
 case "${1:-1gpu}" in
   1gpu)
     CUDA_VISIBLE_DEVICES=0 "${bench[@]}" --gpus 1 --only "${2:-hf,default,no-reshard,chunked-ce}" --out "$out/gpu0.json" >"$out/gpu0.log" 2>&1 &
@@ -55,9 +56,8 @@ case "${1:-1gpu}" in
     python3 -c 'import sys, yaml
 run = [d["data"]["run.yaml"] for d in yaml.safe_load_all(sys.stdin) if d and d["kind"] == "ConfigMap" and "run.yaml" in d["data"]]
 open("/tmp/run.yaml", "w").write(run[0])' <.devdata/gsm8k-render.yaml || exit 1
-    python3 -m job --config /tmp/run.yaml --set name=gsm8k-values --set storage_path=/tmp/runs --set model.init=random \
-      --set model.path=null --set model.preset=qwen2.5-1.5b --set model.train_tokenizer_vocab=8192 \
-      --set scaling.cpus_per_worker=4 "${@:2}" >"$out/gsm8k-values.log" 2>&1
+    python3 -m job --config /tmp/run.yaml --set name=gsm8k-values "${hub_free[@]}" --set model.init=random \
+      --set model.path=null --set scaling.cpus_per_worker=4 "${@:2}" >"$out/gsm8k-values.log" 2>&1
     echo "exit $?"; cp /tmp/run.yaml /tmp/runs/gsm8k-values/run.json /tmp/runs/gsm8k-values/metrics.jsonl "$out/"
     grep -v '^ ' "$out/gsm8k-values.log" | grep '"kind"' | cut -c1-400 | tail -n 16 ;;
 esac
