@@ -72,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _accept(argv: list[str]) -> int:
-    """`python -m job accept EXPORT_DIR`: the fresh-process check of an export (see checkpoint.accept)."""
+    """`python -m job accept EXPORT_DIR`: the fresh-process check of an export (see export.accept)."""
     parser = argparse.ArgumentParser(prog="python -m job accept", description="Check an exported model.")
     parser.add_argument("export_dir", help="local export directory holding reference.json")
     args = parser.parse_args(argv)
-    result = checkpoint_lib.accept(args.export_dir)
+    from .export import accept
+
+    result = accept(args.export_dir)
     print(json.dumps(result, indent=1))
     return 0 if result["ok"] else 1
 

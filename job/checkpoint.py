@@ -49,9 +49,6 @@ from . import storage
 COMPLETE = "_COMPLETE"
 """Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
 STATE = "train_state.json"
-EXPORT_DIR = "export"
-VALID = "_VALID"
-"""Marker written into the export directory once the fresh-process acceptance check passed."""
 PREFIX = "checkpoint_"
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
@@ -60,10 +57,6 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "in
 
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be used (unreadable, incomplete, another model); names the path."""
-
-
-class ExportError(RuntimeError):
-    """The exported model failed its fresh-process acceptance check."""
 
 
 def step_dir(step: int) -> str:
@@ -199,49 +192,103 @@ def due(step: int, cfg: config_lib.RunConfig) -> bool:
     return step == cfg.train.max_steps or bool(every and step % every == 0)
 
 
-def save(step: int, model, optimizer, cfg: config_lib.RunConfig, run_dir: str, launcher: str,
-         metrics: dict | None = None) -> str:
-    """Saves a complete checkpoint of `step` (collective: every rank calls it) and returns its URI."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+class Checkpointer:
+    """Saves checkpoints while training goes on (collective: every rank makes the same calls in the same order).
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    name = step_dir(step)
-    uri = storage.join(run_dir, name)
-    if rank == 0:
-        storage.remove(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint we resumed from)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(uri))
-    buf = _torch_bytes(_rng_state())
-    storage.write_atomic(storage.join(uri, "rng", f"rank{rank:05d}.pt"), buf)
-    dist.barrier()  # every rank's shards and RNG state are written
-    if rank == 0:
-        accum, mb = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
-        state = {
-            "format": 1,
-            "step": step,
-            "world_size": world,
-            "data": {"micro_batch_index": step * accum, "micro_batch_size": mb, "grad_accum_steps": accum,
-                     "samples_seen": step * accum * mb * world},
-            "lr_schedule": {"kind": "warmup_cosine", "step": step, "lr": cfg.train.lr,
-                            "warmup_steps": cfg.train.warmup_steps, "max_steps": cfg.train.max_steps,
-                            "min_lr_ratio": cfg.train.min_lr_ratio},
-            "arch": _arch(model.lm.config),
-            "config": config_lib.to_dict(cfg),
-            "saved_at": time.time(),
-        }
-        storage.write_atomic(storage.join(uri, STATE), json.dumps(state, indent=1).encode())
-        storage.write_atomic(storage.join(uri, COMPLETE), b"")  # last: the checkpoint is complete from here on
-    if launcher == "ray":
-        _ray_report(name, {**(metrics or {}), "step": step})
+    `save(step)` copies this rank's shards of the model and optimizer state into host memory (pinned on GPU;
+    the buffers are allocated at the first save and reused), which is all training waits for, and hands the
+    write to a background thread: DCP shards and this rank's RNG state, over a gloo group of its own so that
+    the training's collectives keep the default group to themselves. A checkpoint becomes complete only in
+    `finish()`, once every rank's write has returned: rank 0 then writes `train_state.json` and, last,
+    `_COMPLETE`, and the launcher is told. A save cut short (a worker died mid-write) has no marker and is never
+    resumed from; the previous complete checkpoint is.
+
+    At most one save is in flight: `save` finishes the previous one first. The loop calls `finish()` at a log
+    step once every rank reports its write done (`write_done`, summed with the loss), and at the end of the run,
+    before the job reports success.
+    """
+
+    def __init__(self, cfg: config_lib.RunConfig, run_dir: str, launcher: str, device: torch.device):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.cfg, self.run_dir, self.launcher = cfg, run_dir, launcher
+        self.group = dist.new_group(backend="gloo")
+        cuda = device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
+        self.pending = None  # (step, uri, future of the write, returning its seconds)
+        self.arch: dict = {}
+
+    def save(self, step: int, model, optimizer) -> None:
+        """Starts saving `step`; returns once the state is staged in host memory."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.finish()
+        rank = dist.get_rank()
+        uri = storage.join(self.run_dir, step_dir(step))
         if rank == 0:
-            _prune(run_dir, None, keep_before=step)
-    else:
+            storage.remove(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint)
         dist.barrier()
-        if rank == 0:
-            _prune(run_dir, cfg.checkpoint.keep_last, keep_before=step)
-    return uri
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        staged = self.stager.stage({"model": model_sd, "optim": optim_sd})
+        rng = _torch_bytes(_rng_state())
+        self.arch = _arch(model.lm.config)
+        self.pending = (step, uri, self.executor.submit(self._write, staged, uri, rng, rank))
+
+    def _write(self, staged: dict, uri: str, rng: bytes, rank: int) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        start = time.perf_counter()
+        dcp.save(staged, storage_writer=_writer(uri), process_group=self.group)
+        storage.write_atomic(storage.join(uri, "rng", f"rank{rank:05d}.pt"), rng)
+        return time.perf_counter() - start
+
+    def write_done(self) -> bool:
+        """Whether this rank has no write in flight (the loop sums it over ranks before calling `finish`)."""
+        return self.pending is None or self.pending[2].done()
+
+    def finish(self, metrics: dict | None = None) -> dict | None:
+        """Completes the save in flight, if any (waiting for its writes); returns `{step, uri, write_s}`."""
+        if self.pending is None:
+            return None
+        step, uri, future = self.pending
+        self.pending = None
+        write_s = future.result()  # a failed write raises here, on its rank
+        dist.barrier()  # every rank's shards and RNG state are written
+        cfg = self.cfg
+        if dist.get_rank() == 0:
+            accum, mb = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
+            state = {
+                "format": 1,
+                "step": step,
+                "world_size": dist.get_world_size(),
+                "data": {"micro_batch_index": step * accum, "micro_batch_size": mb, "grad_accum_steps": accum,
+                         "samples_seen": step * accum * mb * dist.get_world_size()},
+                "lr_schedule": {"kind": "warmup_cosine", "step": step, "lr": cfg.train.lr,
+                                "warmup_steps": cfg.train.warmup_steps, "max_steps": cfg.train.max_steps,
+                                "min_lr_ratio": cfg.train.min_lr_ratio},
+                "arch": self.arch,
+                "config": config_lib.to_dict(cfg),
+                "saved_at": time.time(),
+            }
+            storage.write_atomic(storage.join(uri, STATE), json.dumps(state, indent=1).encode())
+            storage.write_atomic(storage.join(uri, COMPLETE), b"")  # last: the checkpoint is complete from here on
+        if self.launcher == "ray":
+            _ray_report(step_dir(step), {**(metrics or {}), "step": step})
+            if dist.get_rank() == 0:
+                _prune(self.run_dir, None, keep_before=step)
+        else:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                _prune(self.run_dir, cfg.checkpoint.keep_last, keep_before=step)
+        return {"step": step, "uri": uri, "write_s": write_s}
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.stager.close()
 
 
 def _ray_report(name: str, metrics: dict) -> None:
@@ -356,189 +403,3 @@ def maybe_fail(cfg: config_lib.RunConfig, step: int, rank: int, run_dir: str) ->
     storage.write_atomic(marker, f"{time.time()}\n".encode())
     print(f"debug.fail_at_step: rank {rank} (pid {os.getpid()}) kills itself at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Held-out reference (what the final in-training evaluation and the acceptance check both measure)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def synthetic_heldout(vocab: int, cfg: config_lib.RunConfig, world: int) -> data_lib.Blocks:
-    """Seeded random blocks, disjoint in seed from the training stream, for runs without a held-out split."""
-    n, seq = 2 * world * cfg.train.micro_batch_size, cfg.train.seq_len
-    g = torch.Generator().manual_seed(cfg.train.seed * 7919 + 104729)
-    tokens = torch.randint(0, vocab, (n, seq + 1), generator=g)
-    return data_lib.Blocks(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
-                           torch.arange(seq).expand(n, seq).contiguous())
-
-
-def eval_indices(n_blocks: int, world: int, micro_batch_size: int, max_batches: int) -> list[list[int]]:
-    """The held-out blocks `evaluate.evaluate` reads on `world` ranks (weight-0 repeats left out), as
-    micro-batches: the acceptance check measures the same blocks as the final in-training evaluation."""
-    from .evaluate import eval_batches
-
-    batches = []
-    for rank in range(world):
-        for index, real in eval_batches(n_blocks, rank, world, micro_batch_size, max_batches):
-            chunk = [j for j, ok in zip(index, real) if ok]
-            if chunk:
-                batches.append(chunk)
-    return batches
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Export and acceptance
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def export(model, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference: dict) -> dict:
-    """Gathers the full weights on rank 0 only (CPU), writes `<run>/export/` as Hugging Face safetensors with the
-    config and tokenizer, and checks it in a fresh process (collective; returns the acceptance result).
-
-    `reference` holds the final in-training held-out loss and how it was measured. Raises `ExportError` on
-    every rank when the acceptance check fails.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    rank = dist.get_rank()
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    result = None
-    if torch.cuda.is_available():
-        # The acceptance process shares this GPU: hand back the allocator's cached blocks (the training
-        # activations' memory), or it runs out of memory after a run that filled the GPU.
-        torch.cuda.empty_cache()
-    if rank == 0:
-        try:
-            result = _write_and_accept(state, model.lm, tokenizer, cfg, run_dir, reference)
-        except Exception as e:  # reported on every rank below, so no rank waits forever
-            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    del state
-    box = [result]
-    dist.broadcast_object_list(box, src=0)
-    result = box[0]
-    if not result.get("ok"):
-        raise ExportError(f"export {storage.join(run_dir, EXPORT_DIR)} failed its acceptance check: "
-                          f"{result.get('error') or json.dumps(result)}")
-    return result
-
-
-def _write_and_accept(state: dict, lm, tokenizer, cfg, run_dir: str, reference: dict) -> dict:
-    from huggingface_hub import save_torch_state_dict
-
-    final = storage.join(run_dir, EXPORT_DIR)
-    stage = tempfile.mkdtemp(prefix="export-") if storage.is_remote(run_dir) else f"{final}.partial"
-    shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage)
-    weights = {k.removeprefix("lm."): v for k, v in state.items()}
-    if getattr(lm.config, "tie_word_embeddings", False):
-        weights.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight; from_pretrained re-ties it
-    save_torch_state_dict(weights, stage)
-    del weights
-    lm.config.save_pretrained(stage)
-    if getattr(lm, "generation_config", None) is not None:
-        lm.generation_config.save_pretrained(stage)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(stage)
-    with open(os.path.join(stage, "reference.json"), "w") as f:
-        json.dump({**reference, "config": config_lib.to_dict(cfg)}, f, indent=1)
-    # A fresh interpreter: nothing of the training process (FSDP, hooks, in-memory weights) can leak into it.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "job", "accept", stage], env=env, capture_output=True, text=True)
-    try:
-        with open(os.path.join(stage, "acceptance.json")) as f:
-            result = json.load(f)
-    except FileNotFoundError:
-        result = {"ok": False, "error": f"acceptance process exited {proc.returncode}: {proc.stderr[-2000:]}"}
-    result["export_dir"] = final
-    with open(os.path.join(stage, "acceptance.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    if result.get("ok"):
-        with open(os.path.join(stage, VALID), "w") as f:
-            f.write(json.dumps({"step": reference["step"], "eval_loss": result["eval_loss"], "time": time.time()}) + "\n")
-    _publish(stage, final)
-    return result
-
-
-def _publish(stage: str, final: str) -> None:
-    """Moves the staged export into place; the `_VALID` marker (if any) lands last."""
-    if not storage.is_remote(final):
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(stage, final)
-        return
-    storage.remove(final)
-    names = sorted(os.listdir(stage), key=lambda n: n == VALID)
-    for name in names:
-        with open(os.path.join(stage, name), "rb") as f:
-            storage.write_atomic(storage.join(final, name), f.read())
-    shutil.rmtree(stage, ignore_errors=True)
-
-
-def export_is_valid(run_dir: str, step: int) -> bool:
-    """Whether `<run>/export/` holds an accepted export of `step` (a finished run re-run skips the export)."""
-    marker = storage.join(run_dir, EXPORT_DIR, VALID)
-    try:
-        return storage.exists(marker) and json.loads(storage.read_bytes(marker)).get("step") == step
-    except (OSError, ValueError):
-        return False
-
-
-def accept(export_dir: str) -> dict:
-    """The acceptance check, run in a fresh process: reload the export with `from_pretrained`, compute the
-    held-out loss on the blocks the final in-training evaluation used, and generate greedily. Writes
-    `acceptance.json` beside the export; `ok` is whether the loss matches within `checkpoint.export_tolerance`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .model import CausalLMWithLoss
-
-    with open(os.path.join(export_dir, "reference.json")) as f:
-        ref = json.load(f)
-    cfg = config_lib.load_dict(ref["config"])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if ref.get("bf16") else torch.float32
-    result: dict = {"ok": False, "export_dir": export_dir, "reference_eval_loss": ref["eval_loss"],
-                    "tolerance": cfg.checkpoint.export_tolerance, "device": str(device), "dtype": str(dtype)}
-    try:
-        tokenizer = (AutoTokenizer.from_pretrained(export_dir)
-                     if os.path.exists(os.path.join(export_dir, "tokenizer_config.json")) else None)
-        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype=dtype).to(device)
-        model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
-        if ref["heldout"] == "synthetic":
-            blocks = synthetic_heldout(ref["vocab"], cfg, ref["world_size"])
-        else:
-            blocks = data_lib.build(cfg.data, cfg.train, tokenizer).validation
-        totals = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad():
-            for idx in eval_indices(len(blocks), ref["world_size"], cfg.train.micro_batch_size, cfg.eval.max_batches):
-                b = blocks.select(torch.tensor(idx))
-                loss_sum, n = model(input_ids=b.input_ids.to(device), labels=b.labels.to(device),
-                                    position_ids=b.position_ids.to(device))
-                totals += torch.stack([loss_sum.double().cpu(), n.double().cpu()])
-            loss = (totals[0] / totals[1]).item()
-            if tokenizer is not None and cfg.eval.sample_prompt is not None:
-                prompt = tokenizer(cfg.eval.sample_prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-            else:
-                prompt = blocks.input_ids[:1, :8]
-            # Greedy, EOS ignored: the generation settings of training's sample (CausalLMWithLoss.forward).
-            out = model(input_ids=prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
-                        max_new_tokens=cfg.eval.sample_tokens)
-        new = out[0, prompt.shape[1]:].tolist()
-        diff = abs(loss - ref["eval_loss"])
-        result.update({
-            "eval_loss": loss,
-            "eval_ppl": math.exp(min(loss, 50)),
-            "abs_diff": diff,
-            "target_tokens": int(totals[1].item()),
-            "generation": {"prompt_ids": prompt[0].tolist(), "token_ids": new,
-                           "text": tokenizer.decode(new) if tokenizer is not None else None},
-            "ok": bool(math.isfinite(loss) and diff <= cfg.checkpoint.export_tolerance and len(new) > 0),
-        })
-        if not result["ok"]:
-            result["error"] = (f"held-out loss of the reloaded export {loss:.6f} differs from the final "
-                               f"in-training evaluation {ref['eval_loss']:.6f} by {diff:.3g} "
-                               f"(> checkpoint.export_tolerance {cfg.checkpoint.export_tolerance})")
-    except Exception as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-    with open(os.path.join(export_dir, "acceptance.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return result

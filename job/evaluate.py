@@ -1,10 +1,12 @@
 """Evaluation: held-out loss and perplexity, and task evaluation by greedy generation scored by exact match.
 
-Both run on every rank with FSDP2-sharded parameters, so every rank must make the same calls in the same
-order: the held-out loss gives each rank the same number of micro-batches, and task evaluation gives each
-rank the same number of `generate` calls with the same `max_new_tokens` (generation never stops early, see
-`CausalLMWithLoss.forward`). Ranks with fewer items than the others fill in with weight-0 repeats, so the
-result is exact over the items and no rank waits on a collective that another never starts.
+The held-out loss runs on every rank with FSDP2-sharded parameters, so every rank makes the same calls in the
+same order: each gets the same number of micro-batches, ranks with fewer blocks filling in with weight-0
+repeats, so the result is exact and no rank waits on a collective that another never starts.
+
+Generation (task evaluation, the sample) runs on an unsharded copy of the model (`model.gathered_copy`) on
+each rank independently: a rank decodes its share of the prompts in large left-padded batches with a KV
+cache and stops a batch as soon as every sequence in it has produced EOS; only the final counts are summed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,26 @@ def eval_batches(n_blocks: int, rank: int, world: int, micro_batch_size: int, ma
         n_batches = min(n_batches, max_batches)
     starts = range(0, n_batches * micro_batch_size, micro_batch_size)
     return [(index[s : s + micro_batch_size], real[s : s + micro_batch_size]) for s in starts]
+
+
+def heldout_batches(n_blocks: int, world: int, micro_batch_size: int, max_batches: int) -> list[list[int]]:
+    """Every held-out block `evaluate` reads on `world` ranks (weight-0 repeats left out), as micro-batches: the
+    export's acceptance check measures exactly the blocks of the final in-training evaluation."""
+    batches = []
+    for rank in range(world):
+        for index, real in eval_batches(n_blocks, rank, world, micro_batch_size, max_batches):
+            chunk = [j for j, ok in zip(index, real) if ok]
+            if chunk:
+                batches.append(chunk)
+    return batches
+
+
+def synthetic_heldout(vocab: int, n: int, seq_len: int, seed: int) -> data_lib.Blocks:
+    """`n` seeded random blocks, disjoint in seed from the training stream, for runs without a held-out split."""
+    g = torch.Generator().manual_seed(seed * 7919 + 104729)
+    tokens = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
+    return data_lib.Blocks(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
+                           torch.arange(seq_len).expand(n, seq_len).contiguous())
 
 
 @torch.no_grad()
@@ -114,19 +136,34 @@ def score(task: str, generated: str, reference: str) -> tuple[str | None, bool]:
 
 
 def decode_continuation(tokenizer, output_row: torch.Tensor, prompt_len: int) -> str:
-    """The generated text after the prompt, cut at the first EOS (generation itself never stops early)."""
+    """The generated text after the prompt, cut at the first EOS."""
     new = output_row[prompt_len:].tolist()
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id)]
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
-def generate_sample(model, tokenizer, prompt: str, n_tokens: int, device) -> str:
-    """Greedy continuation of `prompt` (all ranks generate the same)."""
+@torch.no_grad()
+def greedy_generate(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                    eos_token_id: int | None, pad_token_id: int) -> torch.Tensor:
+    """Greedy decoding with a KV cache on a plain (unsharded) causal LM: prompt and continuation ids.
+
+    With `eos_token_id`, the batch stops once every row has produced it (rows that ended are padded); without,
+    it runs exactly `max_new_tokens` steps. Up to each row's first EOS the two are token for token the same.
+    """
+    return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                       do_sample=False, temperature=None, top_p=None, top_k=None,
+                       eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+def generate_sample(lm, tokenizer, prompt: str, n_tokens: int, device) -> str:
+    """Greedy continuation of `prompt` by the unsharded `lm`."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-    model.eval()
-    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens)
-    model.train()
+    out = greedy_generate(lm, ids, torch.ones_like(ids), n_tokens, tokenizer.eos_token_id, pad_id(tokenizer))
     return decode_continuation(tokenizer, out[0], ids.shape[1])
 
 
@@ -163,38 +200,34 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 @torch.no_grad()
-def task_evaluate(model, tokenizer, items: list[dict], eval_cfg, rank: int, world: int, device, step: int) -> dict:
-    """Greedy generation on held-out items, scored by exact match of the task's final answer; the same on
-    every rank. Returns the `task_eval` metrics record (examples from rank 0's share).
+def task_evaluate(lm, tokenizer, items: list[dict], eval_cfg, rank: int, world: int, device, step: int) -> dict:
+    """Greedy generation on held-out items by the unsharded `lm`, scored by exact match of the task's final
+    answer. Returns the `task_eval` metrics record (the same on every rank; examples from rank 0's share).
 
-    The first `eval.task_max_examples` items are split across ranks; each rank makes ceil(per_rank / batch)
-    `generate` calls of exactly `eval.task_max_new_tokens` tokens, filling in with weight-0 repeats.
+    The first `eval.task_max_examples` items are dealt out round-robin (rank r scores items r, r + world, ...),
+    and each rank decodes its share on its own in batches of `eval.task_batch_size`.
     """
     if eval_cfg.task_max_examples:
         items = items[: eval_cfg.task_max_examples]
     if not items:
         raise data_lib.DataError("eval.task: no held-out rows to evaluate on")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    index, real = _rank_slots(len(items), rank, world)
+    mine = items[rank::world]
     bs = eval_cfg.task_batch_size
-    correct = counted = 0
+    correct = 0
     shown = []
-    model.eval()
-    for start in range(0, len(index), bs):
-        batch = [items[i] for i in index[start : start + bs]]
+    for start in range(0, len(mine), bs):
+        batch = mine[start : start + bs]
         prompts = tokenizer([x["prompt"] for x in batch], add_special_tokens=False)["input_ids"]
-        ids, mask = left_pad(prompts, pad_id)
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=eval_cfg.task_max_new_tokens)
-        for k, x in enumerate(batch):
-            if not real[start + k]:
-                continue
-            got = decode_continuation(tokenizer, out[k], ids.shape[1])
+        ids, mask = left_pad(prompts, pad_id(tokenizer))
+        out = greedy_generate(lm, ids.to(device), mask.to(device), eval_cfg.task_max_new_tokens,
+                              tokenizer.eos_token_id, pad_id(tokenizer))
+        for row, x in zip(out, batch):
+            got = decode_continuation(tokenizer, row, ids.shape[1])
             expected, ok = score(eval_cfg.task, got, x["reference"])
-            correct, counted = correct + ok, counted + 1
+            correct += ok
             if len(shown) < eval_cfg.task_log_examples:
                 shown.append({"question": x["question"], "expected": expected, "got": got, "correct": bool(ok)})
-    model.train()
-    totals = torch.tensor([correct, counted], dtype=torch.float64, device=device)
+    totals = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     n = int(totals[1].item())
     return {"kind": "task_eval", "step": step, "task": eval_cfg.task, "exact_match": totals[0].item() / max(n, 1),

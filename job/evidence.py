@@ -227,6 +227,8 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
         "evaluation": None,
         "checkpoints": None,
         "export": None,
+        "time": None,
+        "weights": None,
         "extra": {},
         "previous_attempts": _previous_attempts(run_dir),
     }
@@ -236,7 +238,8 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
     return record
 
 
-_UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "runtime_env", "preflight")
+_UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "runtime_env", "preflight", "time",
+              "weights")
 
 
 def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
@@ -50,6 +51,7 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     Returns the workers' `loop_config`, without the launcher name. Raises `CheckpointError` first when
     `checkpoint.resume` forbids starting (`never` on a run name that has checkpoints, a missing start point).
     """
+    started_at = time.time()  # the run's time accounting starts here (metrics.Timeline)
     checkpoint_lib.check_before_start(cfg, run_dir)
     # Read and check every data source here, before any worker starts: a missing path, bad row or unreachable
     # hub id fails now with the source named. The training text also trains the tokenizer, if one is asked for.
@@ -57,7 +59,7 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     fs, path = storage.filesystem(run_dir)
     fs.makedirs(path, exist_ok=True)
     storage.write_atomic(storage.join(run_dir, "config.yaml"), config_lib.to_yaml(cfg))
-    loop_config = {"config": config_lib.to_dict(cfg), "run_dir": run_dir}
+    loop_config = {"config": config_lib.to_dict(cfg), "run_dir": run_dir, "started_at": started_at}
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.

@@ -1,8 +1,10 @@
-"""Throughput accounting (FLOPs per token, MFU), rank 0's metrics log (stdout JSON lines + metrics.jsonl), and the
-one-step profiler (`debug.profile_step`): where the device time goes, by kernel category."""
+"""Throughput accounting (FLOPs per token, MFU), rank 0's metrics log (stdout JSON lines + metrics.jsonl), the
+run's time accounting and goodput (`Timeline`), and the one-step profiler (`debug.profile_step`): where the device
+time goes, by kernel category."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -81,6 +83,66 @@ class MetricsLogger:
 
 
 # Kernel (GPU) or operator (CPU) name fragments -> category; first match wins, on lower-cased names.
+PHASES = ("startup", "data", "model", "resume", "warmup", "train", "eval", "checkpoint", "task_eval", "export")
+"""Where a run's wall time goes, in the order a run meets them (`Timeline`). `startup`: from the driver's start to
+the worker's (Ray, scheduling, imports) and the preflight; `data`: reading and tokenizing; `model`: building or
+loading, sharding, optimizer; `resume`: loading a checkpoint; `warmup`: the first step's time beyond a typical
+step (compilation, allocator warm-up); `train`: every other training step; `eval`: held-out loss; `checkpoint`:
+the time saves held training up; `task_eval`: generation and scoring; `export`: gathering, writing and the
+fresh-process acceptance check."""
+
+
+class Timeline:
+    """Wall time per phase of one attempt of a run, measured on rank 0, and the goodput: training time / wall.
+
+    Each phase is timed with the host clock after a device sync at both ends, so work the GPU still has queued
+    is charged to the phase that queued it. `started_at` (epoch seconds) is when the driver started, so Ray's
+    start and worker scheduling count too. Whatever no phase covers (the record, the logger, clean-up) is `other`.
+    """
+
+    def __init__(self, started_at: float, device: torch.device):
+        self.started_at = started_at
+        self.device = device
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.seconds["startup"] = max(0.0, time.time() - started_at)
+        self.checkpoint_blocking_s: list[float] = []
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds[name] += time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+
+    def summary(self) -> dict:
+        """`{wall_s, phases_s, goodput, checkpoint_blocking_s}`, `phases_s` including `other`."""
+        wall = time.time() - self.started_at
+        phases = {k: round(v, 3) for k, v in self.seconds.items()}
+        phases["other"] = round(max(0.0, wall - sum(self.seconds.values())), 3)
+        return {"wall_s": round(wall, 3), "phases_s": phases, "goodput": self.seconds["train"] / wall if wall else None,
+                "checkpoint_blocking_s": [round(s, 3) for s in self.checkpoint_blocking_s]}
+
+
+def format_timeline(summary: dict) -> str:
+    """The time summary as a small table: seconds and share of the wall time per phase, then the goodput."""
+    wall = summary["wall_s"] or 1.0
+    lines = [f"{'phase':<10} {'seconds':>9} {'share':>7}"]
+    for name, seconds in summary["phases_s"].items():
+        lines.append(f"{name:<10} {seconds:>9.1f} {seconds / wall:>7.1%}")
+    lines.append(f"{'wall':<10} {summary['wall_s']:>9.1f}   goodput {summary['goodput']:.1%}")
+    return "\n".join(lines)
+
+
 PROFILE_CATEGORIES = [
     ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),

@@ -71,6 +71,38 @@ def load_tokenizer(cfg: ModelConfig):
     return AutoTokenizer.from_pretrained(source, revision=cfg.revision, token=os.environ.get("HF_TOKEN"))
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def weights_fingerprint(cfg: ModelConfig) -> dict:
+    """What the model's weights were: for pretrained weights in a local directory, the sha256 of every weight
+    file and of `config.json` (and the directory's `PROVENANCE.json`, as written by scripts/prepare_model.py);
+    for a hub id, the id and revision; for a random init, the architecture source (the seed is in the record)."""
+    import hashlib
+    import json
+
+    if cfg.init == "random":
+        return {"init": "random", "preset": cfg.preset, "path": cfg.path, "overrides": cfg.overrides}
+    out: dict = {"init": "pretrained", "path": cfg.path}
+    if not os.path.isdir(cfg.path):
+        return {**out, "revision": cfg.revision, "source": "hub"}
+
+    def sha256(path: str) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        return h.hexdigest()
+
+    names = sorted(n for n in os.listdir(cfg.path) if n.endswith(WEIGHT_SUFFIXES) or n == "config.json")
+    out["files"] = {n: sha256(os.path.join(cfg.path, n)) for n in names}
+    provenance = os.path.join(cfg.path, "PROVENANCE.json")
+    if os.path.exists(provenance):
+        with open(provenance) as f:
+            out["provenance"] = json.load(f)
+    return out
+
+
 def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> nn.Module:
     """The causal LM in fp32 on the current default device: loaded, or seeded random init (same on all ranks).
 
@@ -112,22 +144,8 @@ class CausalLMWithLoss(nn.Module):
         with sdpa_kernel(self.sdpa_backend):
             return self._forward(*args, **kwargs)
 
-    def _forward(self, input_ids, labels=None, position_ids=None, attention_mask=None, max_new_tokens=0):
-        """Training/eval: `(loss_sum, n_targets)`. With `max_new_tokens`: greedy generation instead.
-
-        Generation runs inside this forward so FSDP2 gathers the root parameters for it. All ranks must
-        generate together with the same `max_new_tokens`; EOS does not stop generation, so every rank runs the
-        same number of forward passes (and collectives). Callers cut the output at EOS.
-        """
-        if max_new_tokens:
-            return self.lm.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=self.lm.config.pad_token_id or 0,
-            )
+    def _forward(self, input_ids, labels, position_ids=None):
+        """`(loss_sum, n_targets)` of the next-token targets `labels`."""
         # No KV cache: with one, transformers skips the packed-sequence mask derived from position_ids and
         # attention would cross document boundaries.
         hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
@@ -138,6 +156,31 @@ class CausalLMWithLoss(nn.Module):
         logits = head(hidden).float()
         loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+@torch.no_grad()
+def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A plain (unsharded) copy of the sharded LM on `device`, in `dtype`: for generation and the export.
+
+    Collective: every rank all-gathers each parameter in turn (so the peak is one full parameter on top of the
+    copy) and gets the whole model. Generation then runs on each rank on its own, without FSDP's per-layer hooks
+    and collectives, so ranks need not stay in lockstep and can stop as soon as their sequences have ended.
+    """
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    lm = model.lm
+    with torch.device("meta"):
+        copy = AutoModelForCausalLM.from_config(lm.config, dtype=dtype, attn_implementation=lm.config._attn_implementation)
+    copy.to_empty(device=device)
+    targets = dict(copy.named_parameters())
+    for name, param in lm.named_parameters():
+        targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
+    for name, buffer in lm.named_buffers():  # e.g. rotary frequencies, which FSDP leaves unsharded
+        copy.get_buffer(name).copy_(buffer)
+    copy.tie_weights()
+    copy.generation_config = lm.generation_config
+    return copy.eval().requires_grad_(False)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:

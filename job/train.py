@@ -1,17 +1,21 @@
 """The training loop, run once per worker: the same function under Ray Train and under torchrun.
 
-Read top to bottom: set up the process group and device → tokenizer, data, model → FSDP2 → optimizer and
-schedule → loop (step, log, evaluate) → final evaluation and sample → clean up.
+`train_loop` sets up the process group and the run record, then `fit` reads as three steps:
+`build` (tokenizer, data, model, FSDP2, optimizer, resume) → `train` (the loop: step, log, evaluate, checkpoint)
+→ `finish` (last checkpoint, final task evaluation and sample, export). Every phase is timed (`metrics.Timeline`),
+so each run records where its wall time went and its goodput.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,11 +24,12 @@ from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
 from . import evidence, nccl
+from . import export as export_lib
 from . import preflight as preflight_lib
-from .evaluate import evaluate, generate_sample, task_evaluate, task_items
-from .metrics import MetricsLogger, StepProfiler, flops_per_token, peak_flops
-from .model import CausalLMWithLoss, build_causal_lm, device_mesh, load_tokenizer, parallelize
-
+from .evaluate import (evaluate, generate_sample, heldout_batches, synthetic_heldout, task_evaluate, task_items)
+from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
+from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
+                    weights_fingerprint)
 
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
 # the transport NCCL chose is in its log, and gathers each worker's environment for the run record.
@@ -33,7 +38,7 @@ RECORD_ONLY_PREFLIGHT = {"sizes_mib": [1], "iters": 1, "warmup": 1, "expect": No
 
 def train_loop(loop_config: dict) -> None:
     """Entry point of every worker. `loop_config` holds the resolved config dict, the launcher name, the run
-    directory and, when the driver trained one, the tokenizer's JSON.
+    directory, the driver's start time and, when the driver trained one, the tokenizer's JSON.
 
     Around the training itself (`fit`), rank 0 keeps the run record `run.json`: opened after the preflight,
     closed with the results, or with the error when anything fails.
@@ -44,13 +49,15 @@ def train_loop(loop_config: dict) -> None:
     nccl.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
     device = _setup_distributed(loop_config["launcher"], cfg.scaling.use_gpu)
     rank = dist.get_rank()
+    timeline = Timeline(loop_config.get("started_at", time.time()), device)
 
     full_preflight = cfg.preflight.enabled or cfg.mode == "preflight"
     record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
-                       seed=cfg.train.seed, runtime_env=loop_config.get("runtime_env"))
+                       seed=cfg.train.seed)
     try:
-        preflight = preflight_lib.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT, device,
-                                                log_dir=nccl_log_dir)
+        with timeline.phase("startup"):
+            preflight = preflight_lib.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT,
+                                                    device, log_dir=nccl_log_dir)
     except preflight_lib.PreflightError as exc:
         if rank == 0:
             record = evidence.start_record(run_dir, preflight=exc.result, **record_args)
@@ -65,176 +72,357 @@ def train_loop(loop_config: dict) -> None:
         return
 
     try:
-        results = fit(cfg, loop_config, device, record)
+        results = fit(cfg, loop_config, device, record, timeline)
     except BaseException as exc:
         if record:
-            evidence.finish_record(run_dir, record, status="failed", error=exc)
+            evidence.finish_record(run_dir, record, status="failed", error=exc, time=timeline.summary())
         raise
     if record:
         evidence.finish_record(run_dir, record, **results)
     _report({"step": cfg.train.max_steps}, loop_config["launcher"])
 
 
-def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None) -> dict:
-    """Builds data and model, trains, evaluates. Returns results for the run record (rank 0's are used)."""
+@dataclass
+class Run:
+    """Everything `build` makes and `train` / `finish` use, for one worker."""
+
+    cfg: config_lib.RunConfig
+    run_dir: str
+    device: torch.device
+    rank: int
+    world: int
+    bf16: bool
+    tokenizer: object
+    dataset: data_lib.Dataset
+    model: CausalLMWithLoss
+    optimizer: torch.optim.Optimizer
+    schedule: Callable[[int], float]
+    batches: Iterator[dict]
+    start_step: int
+    flops_per_token: float
+    peak_flops: float | None
+    checkpointer: checkpoint_lib.Checkpointer
+    timeline: Timeline
+    logger: MetricsLogger | None
+    """Rank 0's metrics log (None on the other ranks)."""
+    task_items: list[dict] = field(default_factory=list)
+    latest_checkpoint: str | None = None
+    final_eval: float | None = None
+    task_results: list[dict] = field(default_factory=list)
+
+    def log(self, record: dict) -> None:
+        if self.logger:
+            self.logger.log(record)
+
+
+def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None,
+        timeline: Timeline) -> dict:
+    """Builds, trains and finishes the run; returns results for the run record (rank 0's are used)."""
+    run, weights = build(cfg, loop_config, device, record, timeline)
+    try:
+        train(run)
+        return finish(run, weights)
+    finally:
+        run.checkpointer.close()
+
+
+def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None,
+          timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
+    """Tokenizer and data, model (FSDP2-sharded), optimizer, and the resume point. Returns the run and a function
+    that returns the weights fingerprint (hashed in a background thread on rank 0: gigabytes take seconds)."""
     run_dir = loop_config["run_dir"]
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoint_lib.write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
     # ---- Tokenizer and data: every rank builds the same packed blocks, then reads only its shard of them.
-    tokenizer_json = loop_config.get("tokenizer_json")
-    tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
-    dataset = data_lib.build(cfg.data, cfg.train, tokenizer)
+    with timeline.phase("data"):
+        tokenizer_json = loop_config.get("tokenizer_json")
+        tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
+        dataset = data_lib.build(cfg.data, cfg.train, tokenizer)
+    weights = in_background(weights_fingerprint, cfg.model) if record else dict
     if record:
-        evidence.update_record(run_dir, record, dataset=dataset.fingerprint, tokenizer_sha256=tokenizer_hash(tokenizer))
+        tokenizer_sha = (dataset.fingerprint.get("tokenizer") or {}).get("sha256")
+        evidence.update_record(run_dir, record, dataset=dataset.fingerprint, tokenizer_sha256=tokenizer_sha)
 
-    # ---- Model: seeded init on the target device, then FSDP2 shards it (each rank keeps 1/world of it).
-    with torch.device(device):
-        lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
-    arch = lm.config
-    n_params = sum(p.numel() for p in lm.parameters())
-    mesh = device_mesh(device.type, world, cfg.parallel.shard_group_size)
-    model = parallelize(
-        CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend),
-        cfg.parallel,
-        mesh,
-        bf16,
-    )
-    optimizer, schedule = build_optimizer(model, cfg.train, device)
+    # ---- Model: seeded init (or the pretrained weights) on the device, then FSDP2 shards it across the ranks.
+    with timeline.phase("model"):
+        with torch.device(device):
+            lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
+        arch = lm.config
+        n_params = sum(p.numel() for p in lm.parameters())
+        mesh = device_mesh(device.type, world, cfg.parallel.shard_group_size)
+        model = parallelize(CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend), cfg.parallel,
+                            mesh, bf16)
+        optimizer, schedule = build_optimizer(model, cfg.train, device)
+        checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, loop_config["launcher"], device)
 
     # ---- Resume: the run's latest complete checkpoint (or checkpoint.resume's), resharded onto this world size.
-    accum, mb, seq = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.train.seq_len
-    start_step, start_micro, resumed = 0, 0, None
-    task_results, items = [], task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else []
-    resume_from = checkpoint_lib.find_resume_point(cfg, run_dir, loop_config["launcher"])
-    if resume_from is not None:
-        resumed = checkpoint_lib.restore(resume_from, model, optimizer, cfg)
-        start_step = resumed["step"]
-        start_micro, data_exact = checkpoint_lib.data_start(
-            resumed, cfg, world, len(dataset.train) if dataset.train is not None else None)
+    start_step, start_micro, resumed, data_exact = 0, 0, None, True
+    with timeline.phase("resume"):
+        resume_from = checkpoint_lib.find_resume_point(cfg, run_dir, loop_config["launcher"])
+        if resume_from is not None:
+            resumed = checkpoint_lib.restore(resume_from, model, optimizer, cfg)
+            start_step = resumed["step"]
+            start_micro, data_exact = checkpoint_lib.data_start(
+                resumed, cfg, world, len(dataset.train) if dataset.train is not None else None)
 
     # ---- Batches: a pure function of (seed, rank, micro-batch index), so a resumed run sees the same data.
-    vocab = cfg.data.synthetic_vocab or arch.vocab_size
+    mb, seq = cfg.train.micro_batch_size, cfg.train.seq_len
     if dataset.train is None:
+        vocab = cfg.data.synthetic_vocab or arch.vocab_size
         batches = data_lib.synthetic_batches(vocab, mb, seq, rank, cfg.train.seed, start=start_micro)
     else:
         batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_micro)
 
     flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
-    peak = peak_flops(device, cfg.logging.peak_flops)
     logger = (MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar, keep_until_step=start_step)
               if rank == 0 else None)
-    if logger:
-        logger.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
-                    "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
-        if resumed is not None:
-            resume_record = {"step": start_step, "checkpoint": resume_from, "saved_world_size": resumed["world_size"],
-                             "micro_batch_index": start_micro, "data_exact": data_exact}
-            logger.log({"kind": "resume", **resume_record})
+    run = Run(cfg, run_dir, device, rank, world, bf16, tokenizer, dataset, model, optimizer, schedule, batches,
+              start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
+              task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
+              latest_checkpoint=resume_from)
+    run.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
+             "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
+    if resumed is not None:
+        resume_record = {"step": start_step, "checkpoint": resume_from, "saved_world_size": resumed["world_size"],
+                         "micro_batch_index": start_micro, "data_exact": data_exact}
+        run.log({"kind": "resume", **resume_record})
+        if record:
             evidence.update_record(run_dir, record, resumed_from=resume_record)
+    return run, weights
 
+
+def train(run: Run) -> None:
+    """The loop, from the step after the resume point to `train.max_steps`: one optimizer step per iteration;
+    logs, evaluations and checkpoints at their intervals (each timed as its own phase, the rest is training)."""
+    cfg, device, world = run.cfg, run.device, run.world
+    if run.start_step == 0:
+        if cfg.eval.every_steps:
+            log_eval(run, 0)  # the untrained baseline that later evaluations are read against
+        if cfg.eval.task and cfg.eval.task_at_start:
+            run_task_eval(run, 0)
     # Running sums since the last log, kept on the device: reading them (.item()) is the only host sync.
     loss_sum = torch.zeros((), device=device)
     target_sum = torch.zeros((), device=device)
     interval_tokens, interval_start = 0, time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    def log_eval(step: int) -> float | None:
-        if dataset.validation is None:
-            return None
-        eval_loss = evaluate(model, dataset.validation, cfg, rank, world, device)
-        if logger:
-            logger.log({"kind": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
-        return eval_loss
-
-    if cfg.eval.every_steps and start_step == 0:
-        log_eval(0)  # the untrained baseline that later evaluations are read against
-    final_eval, latest_checkpoint, accepted = None, resume_from, None
-    for step in range(start_step + 1, cfg.train.max_steps + 1):
-        checkpoint_lib.maybe_fail(cfg, step, rank, run_dir)
-        profiler = StepProfiler(device) if logger and step == cfg.debug.profile_step else None
-        lr = schedule(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro = [next(batches) for _ in range(accum)]
-        # Token-weighted mean over the global batch: FSDP averages gradients over ranks, so each rank scales
-        # its loss sum by world / (targets in the global batch). Counting happens on the host, before transfer.
-        targets = to_device(torch.tensor(sum(int((b["labels"] != data_lib.IGNORE_INDEX).sum()) for b in micro)), device)
-        global_targets = targets.clone()
-        dist.all_reduce(global_targets)
-        for batch in micro:
-            batch = {k: to_device(v, device) for k, v in batch.items()}
-            step_loss, _ = model(**batch)
-            (step_loss * world / global_targets).backward()
-            loss_sum += step_loss.detach()
+    run.timeline.sync()
+    loop_start = time.perf_counter()
+    outside_train = sum(run.timeline.seconds[p] for p in ("eval", "checkpoint", "task_eval"))
+    first_step_s = None
+    for step in range(run.start_step + 1, cfg.train.max_steps + 1):
+        checkpoint_lib.maybe_fail(cfg, step, run.rank, run.run_dir)
+        profiler = StepProfiler(device) if run.logger and step == cfg.debug.profile_step else None
+        lr = run.schedule(step)
+        loss, targets, grad_norm = train_step(run, lr)
+        loss_sum += loss
         target_sum += targets
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        interval_tokens += accum * mb * seq
+        interval_tokens += cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
         if profiler:
-            logger.log({"kind": "profile", "step": step, **profiler.finish(run_dir, step)})
+            run.log({"kind": "profile", "step": step, **profiler.finish(run.run_dir, step)})
+        if first_step_s is None:  # compilation and warm-up: the first step's time beyond a typical step
+            run.timeline.sync()
+            first_step_s = time.perf_counter() - loop_start
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
-            totals = torch.stack([loss_sum, target_sum])
+            writes_done = float(run.checkpointer.write_done())
+            totals = torch.stack([loss_sum, target_sum, torch.tensor(writes_done, device=device)])
             dist.all_reduce(totals)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            loss = (totals[0] / totals[1]).item()  # syncs with the device, so the interval below is real
-            elapsed = time.perf_counter() - interval_start
-            tokens_per_s_device = interval_tokens / elapsed
-            if logger:
-                logger.log({
-                    "kind": "train",
-                    "step": step,
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_per_s_device * world,
-                    "tokens_per_s_per_device": tokens_per_s_device,
-                    "mfu": tokens_per_s_device * flops_tok / peak if peak else None,
-                    "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-                })
+            mean_loss = (totals[0] / totals[1]).item()  # syncs with the device, so the interval below is real
+            check_finite(step, mean_loss, grad_norm.item())
+            tokens_per_s_device = interval_tokens / (time.perf_counter() - interval_start)
+            run.log({
+                "kind": "train",
+                "step": step,
+                "loss": mean_loss,
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": tokens_per_s_device * world,
+                "tokens_per_s_per_device": tokens_per_s_device,
+                "mfu": tokens_per_s_device * run.flops_per_token / run.peak_flops if run.peak_flops else None,
+                "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            })
+            if totals[2].item() == world:  # every rank's checkpoint write (if any) has returned
+                complete_checkpoint(run)
             loss_sum.zero_(), target_sum.zero_()
             interval_tokens, interval_start = 0, time.perf_counter()
 
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps:
-            eval_loss = log_eval(step)
-            final_eval = eval_loss if step == cfg.train.max_steps else None
-        if cfg.eval.task and (step % (cfg.eval.task_every_steps or cfg.train.max_steps) == 0 or step == cfg.train.max_steps):
-            task_results.append(task_evaluate(model, tokenizer, items, cfg.eval, rank, world, device, step))
-            if logger:
-                logger.log(task_results[-1])
-
+            eval_loss = log_eval(run, step)
+            run.final_eval = eval_loss if step == cfg.train.max_steps else None
+        if cfg.eval.task and cfg.eval.task_every_steps and step % cfg.eval.task_every_steps == 0 \
+                and step != cfg.train.max_steps:  # the final one runs in `finish`, on the export's copy
+            run_task_eval(run, step)
         if checkpoint_lib.due(step, cfg):
-            latest_checkpoint = checkpoint_lib.save(step, model, optimizer, cfg, run_dir, loop_config["launcher"])
+            check_finite(step, *finite_probe(loss_sum, grad_norm))
+            with run.timeline.phase("checkpoint"):
+                start = time.perf_counter()
+                run.checkpointer.save(step, run.model, run.optimizer)
+                run.timeline.checkpoint_blocking_s.append(time.perf_counter() - start)
+    run.timeline.sync()
+    loop_s = time.perf_counter() - loop_start
+    train_s = loop_s - (sum(run.timeline.seconds[p] for p in ("eval", "checkpoint", "task_eval")) - outside_train)
+    steps = cfg.train.max_steps - run.start_step
+    if steps:
+        warmup = max(0.0, first_step_s - (train_s - first_step_s) / (steps - 1)) if steps > 1 else 0.0
+        run.timeline.add("warmup", warmup)
+        run.timeline.add("train", train_s - warmup)
 
-    if cfg.eval.sample_prompt is not None:
-        text = generate_sample(model, tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, device)
-        if logger:
-            logger.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
-    # ---- Export: full weights gathered on rank 0 only, saved as safetensors, reloaded and checked in a fresh
-    # process against the final held-out loss (measured here when the loop did not, e.g. a finished run re-run).
-    if cfg.checkpoint.export and not checkpoint_lib.export_is_valid(run_dir, cfg.train.max_steps):
-        heldout = dataset.validation if dataset.validation is not None else checkpoint_lib.synthetic_heldout(vocab, cfg, world)
-        if final_eval is None or dataset.validation is None:
-            final_eval = evaluate(model, heldout, cfg, rank, world, device)
-        accepted = checkpoint_lib.export(model, tokenizer, cfg, run_dir, {
-            "eval_loss": final_eval, "step": cfg.train.max_steps, "world_size": world, "bf16": bf16, "vocab": vocab,
-            "heldout": "validation" if dataset.validation is not None else "synthetic"})
-        if logger:
-            logger.log({"kind": "export", "step": cfg.train.max_steps, "dir": accepted["export_dir"],
-                        "eval_loss": accepted["eval_loss"], "reference_eval_loss": final_eval,
-                        "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"]})
-    if logger:
-        logger.close()
-    results = {"checkpoints": {"dir": run_dir, "latest": latest_checkpoint, "keep_last": cfg.checkpoint.keep_last}}
+
+def train_step(run: Run, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step over `grad_accum_steps` micro-batches; returns (loss sum, target count, grad norm),
+    on the device (no host sync)."""
+    cfg, world = run.cfg, run.world
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    micro = [next(run.batches) for _ in range(cfg.train.grad_accum_steps)]
+    # Token-weighted mean over the global batch: FSDP averages gradients over ranks, so each rank scales
+    # its loss sum by world / (targets in the global batch). Counting happens on the host, before transfer.
+    targets = to_device(torch.tensor(sum(int((b["labels"] != data_lib.IGNORE_INDEX).sum()) for b in micro)), run.device)
+    global_targets = targets.clone()
+    dist.all_reduce(global_targets)
+    loss_sum = torch.zeros((), device=run.device)
+    for batch in micro:
+        batch = {k: to_device(v, run.device) for k, v in batch.items()}
+        step_loss, _ = run.model(**batch)
+        (step_loss * world / global_targets).backward()
+        loss_sum += step_loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip or float("inf"))
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, targets, grad_norm
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm is NaN or infinite: the run stops before anything is saved."""
+
+
+def finite_probe(loss_sum: torch.Tensor, grad_norm) -> tuple[float, float]:
+    """The running loss sum and the last gradient norm as host numbers (a sync; only before a save)."""
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    totals = torch.stack([loss_sum.float(), grad_norm.float()])
+    dist.all_reduce(totals)
+    return totals[0].item(), totals[1].item()
+
+
+def check_finite(step: int, loss: float, grad_norm: float) -> None:
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm}: training diverged; nothing was "
+                             "saved from this point; lower train.lr or raise train.warmup_steps, then resume from the "
+                             "last checkpoint")
+
+
+def log_eval(run: Run, step: int) -> float | None:
+    """Held-out loss and perplexity at `step` (None without a held-out split)."""
+    if run.dataset.validation is None:
+        return None
+    with run.timeline.phase("eval"):
+        eval_loss = evaluate(run.model, run.dataset.validation, run.cfg, run.rank, run.world, run.device)
+    run.log({"kind": "eval", "step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
+    return eval_loss
+
+
+def run_task_eval(run: Run, step: int, lm=None) -> None:
+    """Task evaluation at `step` on an unsharded copy of the model (`lm`, or gathered here)."""
+    with run.timeline.phase("task_eval"):
+        start = time.perf_counter()
+        lm = lm if lm is not None else gathered_copy(run.model, torch.bfloat16 if run.bf16 else torch.float32, run.device)
+        result = task_evaluate(lm, run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world, run.device, step)
+        result["seconds"] = time.perf_counter() - start
+    run.task_results.append(result)
+    run.log(result)
+
+
+def complete_checkpoint(run: Run) -> None:
+    """Completes the checkpoint in flight, if any (collective), and logs how long its write took."""
+    done = run.checkpointer.finish()
+    if done is not None:
+        run.latest_checkpoint = done["uri"]
+        run.log({"kind": "checkpoint", "step": done["step"], "dir": done["uri"], "write_s": done["write_s"],
+                 "blocking_s": run.timeline.checkpoint_blocking_s[-1]})
+
+
+def finish(run: Run, weights: Callable[[], dict]) -> dict:
+    """After the last step, on one unsharded copy of the model: the final task evaluation, the sample and the
+    checked export, while the last checkpoint's write goes on; that checkpoint is completed last, before the
+    job reports success, also when the export fails. Returns the results for the run record."""
+    cfg = run.cfg
+    accepted = None
+    try:
+        export_due = cfg.checkpoint.export and not export_lib.export_is_valid(run.run_dir, cfg.train.max_steps)
+        task_due = cfg.eval.task and run.start_step < cfg.train.max_steps  # a re-run of a finished run has it
+        lm = None
+        if task_due or export_due or cfg.eval.sample_prompt is not None:
+            with run.timeline.phase("export"):
+                lm = gathered_copy(run.model, torch.bfloat16 if run.bf16 else torch.float32, run.device)
+        if task_due:
+            run_task_eval(run, cfg.train.max_steps, lm)
+        if cfg.eval.sample_prompt is not None:
+            text = generate_sample(lm, run.tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, run.device)
+            run.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
+        if export_due:
+            with run.timeline.phase("export"):
+                accepted = export(run, lm)
+        del lm
+    finally:
+        with run.timeline.phase("checkpoint"):
+            complete_checkpoint(run)
+    time_summary = run.timeline.summary()
+    run.log({"kind": "time", "step": cfg.train.max_steps, **time_summary})
+    if run.logger:
+        print(format_timeline(time_summary), flush=True)
+        run.logger.close()
+    results = {"checkpoints": {"dir": run.run_dir, "latest": run.latest_checkpoint, "keep_last": cfg.checkpoint.keep_last},
+               "time": time_summary, "weights": weights()}
     if accepted is not None:
         results["export"] = accepted
     if cfg.eval.task:
-        results["evaluation"] = task_results
+        results["evaluation"] = run.task_results
     return results
+
+
+def export(run: Run, lm) -> dict:
+    """The checked export of the final model, against the final held-out loss (measured here when the loop did
+    not, e.g. a finished run re-run, or on seeded random blocks for runs without a held-out split)."""
+    cfg = run.cfg
+    heldout, kind = run.dataset.validation, "validation"
+    if heldout is None:
+        heldout, kind = synthetic_heldout(lm.config.vocab_size, 2 * run.world * cfg.train.micro_batch_size,
+                                          cfg.train.seq_len, cfg.train.seed), "synthetic"
+    if run.final_eval is None or kind == "synthetic":
+        run.final_eval = evaluate(run.model, heldout, cfg, run.rank, run.world, run.device)
+    reference = {"eval_loss": run.final_eval, "step": cfg.train.max_steps, "world_size": run.world, "heldout": kind}
+    batches = heldout_batches(len(heldout), run.world, cfg.train.micro_batch_size, cfg.eval.max_batches)
+    accepted = export_lib.export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches)
+    run.log({"kind": "export", "step": cfg.train.max_steps, "dir": accepted["export_dir"],
+             "eval_loss": accepted["eval_loss"], "reference_eval_loss": run.final_eval,
+             "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"]})
+    return accepted
+
+
+def in_background(fn: Callable, *args) -> Callable[[], object]:
+    """Runs `fn(*args)` in a daemon thread; returns a function that waits for its result (or raises its error)."""
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn(*args)
+        except Exception as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    return wait
 
 
 def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device: torch.device):
@@ -267,13 +455,6 @@ def to_device(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor
     if device.type == "cuda":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
-
-
-def tokenizer_hash(tokenizer) -> str | None:
-    """sha256 of the tokenizer's full JSON (vocabulary, merges, normalisation): equal hashes tokenize equally."""
-    if tokenizer is None:
-        return None
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
 
 
 def _setup_distributed(launcher: str, use_gpu: bool) -> torch.device:

@@ -274,9 +274,13 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     cfg = _config(tmp_path, "mem", scaling={"num_workers": 1}, checkpoint={"keep_last": 2})
     run_dir = "memory://runs/mem"
     model, optimizer = _sharded_model(cfg)
+    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, "torchrun", torch.device("cpu"))
     for step in (4, 8, 12):
         rng = torch.get_rng_state()
-        checkpoint_lib.save(step, model, optimizer, cfg, run_dir, "torchrun")
+        checkpointer.save(step, model, optimizer)  # finishes the previous save first
+    assert checkpoint_lib.latest_complete(run_dir) == f"{run_dir}/checkpoint_00000008"  # 12 is still in flight
+    checkpointer.finish()
+    checkpointer.close()
     assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(8, True), (12, True)]
     assert checkpoint_lib.find_resume_point(cfg, run_dir, "torchrun") == f"{run_dir}/checkpoint_00000012"
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,4 +1,4 @@
-"""Exact-match scoring, lockstep task evaluation, and a 2-worker GSM8K run whose held-out loss falls."""
+"""Exact-match scoring, generation and task evaluation, and a 2-worker GSM8K run whose held-out loss falls."""
 
 import json
 import os
@@ -68,13 +68,13 @@ def test_gsm8k_references_all_parse_and_match_themselves():
     assert all(exact(a, a) for a in answers)
 
 
-# ---- lockstep generation ------------------------------------------------------------------------------------------------
+# ---- generation -------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n, world", [(10, 2), (7, 2), (5, 3), (1, 2)])
 def test_rank_slots_equal_length_and_cover_every_item_once(n, world):
     slots = [E._rank_slots(n, r, world) for r in range(world)]
-    assert len({len(index) for index, _ in slots}) == 1  # same number of items, so the same number of calls
+    assert len({len(index) for index, _ in slots}) == 1  # same number of held-out batches on every rank
     real = sorted(i for index, weight in slots for i, w in zip(index, weight) if w)
     assert real == list(range(n))
 
@@ -84,22 +84,59 @@ def test_left_pad():
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
-class CountingModel(torch.nn.Module):
-    """Stands in for CausalLMWithLoss's generate path: answers '#### 7' for every prompt, counts calls."""
+def _tiny_lm(vocab: int, seed: int = 0):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         tie_word_embeddings=True, initializer_range=0.5)  # wide init: varied greedy tokens
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_stopping_at_eos_generates_what_full_length_generation_cut_at_eos_does():
+    """The fast path (stop a batch once every row has produced EOS) against the previous one (always generate
+    `max_new_tokens`, cut at EOS afterwards): token for token the same continuation, for every row."""
+    from job import data as D
+
+    tok = D.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: 7"] * 20, 300)
+    lm = _tiny_lm(len(tok))
+    prompts = tok([f"Question: {i} + {i}?\nAnswer: " for i in range(6)], add_special_tokens=False)["input_ids"]
+    ids, mask = E.left_pad(prompts, E.pad_id(tok))
+    width = ids.shape[1]
+    full = E.greedy_generate(lm, ids, mask, 40, eos_token_id=None, pad_token_id=E.pad_id(tok))
+    # As EOS, a generated token that rows reach at different steps (or never), so the early stop is exercised.
+    new = [row[width:].tolist() for row in full]
+    first = {t: tuple(r.index(t) if t in r else None for r in new) for t in {t for r in new for t in r}}
+    eos = next(t for t, at in sorted(first.items()) if len(set(at)) > 1 and any(a not in (None, 0) for a in at))
+    fast = E.greedy_generate(lm, ids, mask, 40, eos_token_id=eos, pad_token_id=E.pad_id(tok))
+
+    def cut(row):
+        new = row[width:].tolist()
+        return new[: new.index(eos)] if eos in new else new
+
+    assert fast.shape[1] <= full.shape[1]
+    assert [cut(r) for r in fast] == [cut(r) for r in full]
+    assert len({len(cut(r)) for r in full}) > 1, "rows should end at different steps"
+
+
+class FixedAnswerLM(torch.nn.Module):
+    """Stands in for the unsharded LM: answers '#### 7' for every prompt, records each generate call."""
 
     def __init__(self, tokenizer):
         super().__init__()
         self.answer = tokenizer("#### 7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         self.calls = []
 
-    def forward(self, input_ids, attention_mask, max_new_tokens):
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, **_):
         assert (attention_mask[:, -1] == 1).all()  # left padded
-        self.calls.append((input_ids.shape[0], max_new_tokens))
-        new = torch.tensor(self.answer + [0] * (max_new_tokens - len(self.answer)))
+        assert eos_token_id is not None  # stops at EOS
+        self.calls.append(input_ids.shape[0])
+        new = torch.tensor(self.answer)
         return torch.cat([input_ids, new.expand(input_ids.shape[0], -1)], 1)
 
 
-def test_task_evaluate_scores_and_calls_generate_in_lockstep(monkeypatch):
+def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch):
     from types import SimpleNamespace
 
     from job import data as D
@@ -109,12 +146,12 @@ def test_task_evaluate_scores_and_calls_generate_in_lockstep(monkeypatch):
              for i in range(7)]
     cfg = SimpleNamespace(task="gsm8k", task_max_examples=0, task_batch_size=2, task_max_new_tokens=12, task_log_examples=2)
     monkeypatch.setattr(E.dist, "all_reduce", lambda t: None)  # one rank's view; the sum is checked below
-    records, models = [], []
+    records, lms = [], []
     for rank in range(2):
-        models.append(CountingModel(tok))
-        records.append(E.task_evaluate(models[-1], tok, items, cfg, rank, 2, torch.device("cpu"), step=5))
-    assert models[0].calls == models[1].calls == [(2, 12), (2, 12)]  # 4 slots per rank: 2 calls of 12 tokens each
-    assert records[0]["n"] + records[1]["n"] == 7  # one weight-0 repeat on rank 1 is not counted
+        lms.append(FixedAnswerLM(tok))
+        records.append(E.task_evaluate(lms[-1], tok, items, cfg, rank, 2, torch.device("cpu"), step=5))
+    assert lms[0].calls == [2, 2] and lms[1].calls == [2, 1]  # items 0,2,4,6 and 1,3,5: no padding slots
+    assert records[0]["n"] + records[1]["n"] == 7
     correct = sum(r["exact_match"] * r["n"] for r in records)
     assert correct == 3  # items 1, 3, 5
     assert records[0]["examples"][0] == {"question": "q0", "expected": "8", "got": "#### 7", "correct": False}
@@ -150,13 +187,14 @@ def test_two_worker_gsm8k_run_lowers_held_out_loss_and_scores_the_task(tmp_path,
     losses = list(evals.values())
     assert all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 1.0, evals
     assert losses[-1] < losses[1] - 0.2, evals  # and keeps falling after the first, easy drop
-    (task,) = [r for r in records if r["kind"] == "task_eval"]
+    before, task = [r for r in records if r["kind"] == "task_eval"]
+    assert before["step"] == 0 and before["n"] == 6  # the score before training, then after
     assert task["step"] == 60 and task["n"] == 6 and 0 <= task["exact_match"] <= 1
     assert len(task["examples"]) == 2 and set(task["examples"][0]) == {"question", "expected", "got", "correct"}
     assert task["examples"][0]["question"].startswith("Question: ")
     run_record = json.load(open(os.path.join(run_dir, "run.json")))
     assert run_record["status"] == "succeeded"
-    assert run_record["evaluation"] == [{k: v for k, v in task.items() if k != "time"}]  # the task results
+    assert run_record["evaluation"] == [{k: v for k, v in r.items() if k != "time"} for r in (before, task)]
     assert run_record["data"]["fingerprint"]["train"]["files"][0]["sha256"]
     start = next(r for r in records if r["kind"] == "start")
     fp = start["data"]

@@ -1,0 +1,198 @@
+"""The checked Hugging Face export: write the trained model once, reload it in a fresh process, and accept it only
+if it reproduces the final in-training held-out loss.
+
+    <run>/export/   model.safetensors, config.json, generation_config.json, tokenizer files,
+                    reference.json   what the acceptance check must reproduce (loss, step, how it was measured)
+                    heldout.safetensors   the held-out blocks of that final evaluation, in its micro-batches
+                    acceptance.json  the check's result; `_VALID` once it passed (written last)
+
+The weights come from the unsharded copy that the final task evaluation also uses (`model.gathered_copy`: one
+gather for both), in the dtype training computed in (bf16 on GPU), so the reloaded model computes what the
+trained one did. The acceptance check runs in a new interpreter (`python -m job accept EXPORT_DIR`): nothing of
+the training process (FSDP, hooks, in-memory weights) can leak into it. It reads the held-out blocks from the
+export instead of rebuilding the dataset, and checks that the tokenizer reloads with the same vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import config as config_lib
+from . import data as data_lib
+from . import storage
+
+EXPORT_DIR = "export"
+VALID = "_VALID"
+"""Marker written into the export directory once the fresh-process acceptance check passed."""
+HELDOUT = "heldout.safetensors"
+
+
+class ExportError(RuntimeError):
+    """The exported model failed its fresh-process acceptance check."""
+
+
+def export(lm, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference: dict, heldout: data_lib.Blocks,
+           batches: list[list[int]]) -> dict:
+    """Rank 0 writes `<run>/export/` from the unsharded `lm` and checks it in a fresh process (collective: the
+    result reaches every rank). `reference` holds the final in-training held-out loss and how it was measured;
+    `batches` are the micro-batches of `heldout` it was measured on. Raises `ExportError` on every rank when the
+    check fails."""
+    result = None
+    if dist.get_rank() == 0:
+        if torch.cuda.is_available():
+            # The acceptance process shares this GPU: hand back the allocator's cached blocks (the training
+            # activations' memory), or it runs out of memory after a run that filled the GPU.
+            torch.cuda.empty_cache()
+        try:
+            result = _write_and_accept(lm, tokenizer, cfg, run_dir, reference, heldout, batches)
+        except Exception as e:  # reported on every rank below, so no rank waits forever
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    box = [result]
+    dist.broadcast_object_list(box, src=0)
+    result = box[0]
+    if not result.get("ok"):
+        raise ExportError(f"export {storage.join(run_dir, EXPORT_DIR)} failed its acceptance check: "
+                          f"{result.get('error') or json.dumps(result)}")
+    return result
+
+
+def _write_and_accept(lm, tokenizer, cfg, run_dir: str, reference: dict, heldout: data_lib.Blocks,
+                      batches: list[list[int]]) -> dict:
+    from safetensors.torch import save_file
+
+    final = storage.join(run_dir, EXPORT_DIR)
+    stage = tempfile.mkdtemp(prefix="export-") if storage.is_remote(run_dir) else f"{final}.partial"
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    lm.save_pretrained(stage, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(stage)
+    order = torch.tensor([i for batch in batches for i in batch], dtype=torch.long)
+    blocks = heldout.select(order)
+    save_file({"input_ids": blocks.input_ids, "labels": blocks.labels, "position_ids": blocks.position_ids},
+              os.path.join(stage, HELDOUT))
+    reference = {**reference, "tokenizer_vocabulary_sha256": vocabulary_sha256(tokenizer)}
+    with open(os.path.join(stage, "reference.json"), "w") as f:
+        json.dump({**reference, "batch_sizes": [len(b) for b in batches], "config": config_lib.to_dict(cfg)}, f, indent=1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "job", "accept", stage], env=env, capture_output=True, text=True)
+    try:
+        with open(os.path.join(stage, "acceptance.json")) as f:
+            result = json.load(f)
+    except FileNotFoundError:
+        result = {"ok": False, "error": f"acceptance process exited {proc.returncode}: {proc.stderr[-2000:]}"}
+    result["export_dir"] = final
+    with open(os.path.join(stage, "acceptance.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if result.get("ok"):
+        with open(os.path.join(stage, VALID), "w") as f:
+            f.write(json.dumps({"step": reference["step"], "eval_loss": result["eval_loss"], "time": time.time()}) + "\n")
+    _publish(stage, final)
+    return result
+
+
+def _publish(stage: str, final: str) -> None:
+    """Moves the staged export into place; the `_VALID` marker (if any) lands last."""
+    if not storage.is_remote(final):
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(stage, final)
+        return
+    storage.remove(final)
+    names = sorted(os.listdir(stage), key=lambda n: n == VALID)
+    for name in names:
+        with open(os.path.join(stage, name), "rb") as f:
+            storage.write_atomic(storage.join(final, name), f.read())
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def vocabulary_sha256(tokenizer) -> str | None:
+    """sha256 of the vocabulary and the EOS/padding ids: what a tokenizer must keep through save and reload (its
+    JSON serialisation itself may change)."""
+    if tokenizer is None:
+        return None
+    vocabulary = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps([vocabulary, tokenizer.eos_token_id, tokenizer.pad_token_id]).encode()).hexdigest()
+
+
+def export_is_valid(run_dir: str, step: int) -> bool:
+    """Whether `<run>/export/` holds an accepted export of `step` (a finished run re-run skips the export)."""
+    marker = storage.join(run_dir, EXPORT_DIR, VALID)
+    try:
+        return storage.exists(marker) and json.loads(storage.read_bytes(marker)).get("step") == step
+    except (OSError, ValueError):
+        return False
+
+
+def accept(export_dir: str) -> dict:
+    """The acceptance check, run in a fresh process: reload the export with `from_pretrained`, compute the
+    held-out loss on the blocks the final in-training evaluation used, check the tokenizer, and generate greedily.
+    Writes `acceptance.json` beside the export; `ok` is whether the loss matches within
+    `checkpoint.export_tolerance`."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluate import greedy_generate
+    from .model import CausalLMWithLoss
+
+    with open(os.path.join(export_dir, "reference.json")) as f:
+        ref = json.load(f)
+    cfg = config_lib.load_dict(ref["config"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result: dict = {"ok": False, "export_dir": export_dir, "reference_eval_loss": ref["eval_loss"],
+                    "tolerance": cfg.checkpoint.export_tolerance, "device": str(device)}
+    try:
+        tokenizer = (AutoTokenizer.from_pretrained(export_dir)
+                     if os.path.exists(os.path.join(export_dir, "tokenizer_config.json")) else None)
+        if vocabulary_sha256(tokenizer) != ref["tokenizer_vocabulary_sha256"]:
+            raise ExportError("the reloaded tokenizer's vocabulary or special tokens differ from the training tokenizer's")
+        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype="auto").to(device)
+        result["dtype"] = str(lm.dtype)
+        model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
+        blocks = load_file(os.path.join(export_dir, HELDOUT))
+        totals = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            start = 0
+            for size in ref["batch_sizes"]:
+                batch = {k: v[start : start + size].to(device) for k, v in blocks.items()}
+                start += size
+                loss_sum, n = model(**batch)
+                totals += torch.stack([loss_sum.double().cpu(), n.double().cpu()])
+            loss = (totals[0] / totals[1]).item()
+            if tokenizer is not None and cfg.eval.sample_prompt is not None:
+                prompt = tokenizer(cfg.eval.sample_prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            else:
+                prompt = blocks["input_ids"][:1, :8]
+            out = greedy_generate(lm, prompt.to(device), torch.ones_like(prompt).to(device), cfg.eval.sample_tokens,
+                                  eos_token_id=None, pad_token_id=0)
+        new = out[0, prompt.shape[1]:].tolist()
+        diff = abs(loss - ref["eval_loss"])
+        result.update({
+            "eval_loss": loss,
+            "eval_ppl": math.exp(min(loss, 50)),
+            "abs_diff": diff,
+            "target_tokens": int(totals[1].item()),
+            "generation": {"prompt_ids": prompt[0].tolist(), "token_ids": new,
+                           "text": tokenizer.decode(new) if tokenizer is not None else None},
+            "ok": bool(math.isfinite(loss) and diff <= cfg.checkpoint.export_tolerance and len(new) > 0),
+        })
+        if not result["ok"]:
+            result["error"] = (f"held-out loss of the reloaded export {loss:.6f} differs from the final "
+                               f"in-training evaluation {ref['eval_loss']:.6f} by {diff:.3g} "
+                               f"(> checkpoint.export_tolerance {cfg.checkpoint.export_tolerance})")
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    with open(os.path.join(export_dir, "acceptance.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
