@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The pretrained GSM8K fine-tune on the lent GPU machine (docs/device.md "Carrying the pretrained weights",
+# results in docs/finetune-gsm8k.md). The GGUF weights are larger than one call carries, so they travel in parts:
+#   scripts/device-finetune.sh receive N        keep the carried .devdata/part.bin as /tmp/gguf/part.NN (one call each)
+#   scripts/device-finetune.sh prepare MODEL    join /tmp/gguf/part.*, then scripts/prepare_model.py --gguf (sha256
+#                                               checked) writes /tmp/models/MODEL (bf16 safetensors + tokenizer)
+#   scripts/device-finetune.sh run [--set K=V]  values/gsm8k.yaml as the chart renders it: the run config is read from
+#                                               the ConfigMap in .devdata/gsm8k-render.yaml (rendered here with
+#                                               --set run.model.path=/tmp/models/MODEL and the data under .devdata/);
+#                                               only storage is overridden, plus the --set arguments (e.g. the drill
+#                                               --set debug.fail_at_step=180: the worker SIGKILLs itself, Ray restarts
+#                                               it, the run resumes from its last complete checkpoint)
+# Carry .whl (scripts/device-wheels.sh, plus gguf) for prepare and run; .devdata/part.bin alone for receive.
+# Logs and results go to $OUT.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-/tmp/finetune-out}
+mkdir -p "$out"
+case "${1:-}" in
+  receive)
+    mkdir -p /tmp/gguf && cp .devdata/part.bin "/tmp/gguf/part.$(printf %02d "$2")" && ls /tmp/gguf | wc -l ;;
+  prepare)
+    source scripts/device-env.sh || exit 1
+    cat /tmp/gguf/part.* > "/tmp/gguf/$2.gguf" && rm -f /tmp/gguf/part.*
+    python3 scripts/prepare_model.py "$2" --out /tmp/models --gguf "/tmp/gguf/$2.gguf" 2>&1 | grep -v '%|' | tail -n 3
+    ls -la "/tmp/models/$2" ;;
+  run)
+    source scripts/device-env.sh || exit 1
+    python3 -c 'import sys, yaml
+run = [d["data"]["run.yaml"] for d in yaml.safe_load_all(sys.stdin) if d and d["kind"] == "ConfigMap" and "run.yaml" in d["data"]]
+open("/tmp/run.yaml", "w").write(run[0])' <.devdata/gsm8k-render.yaml || exit 1
+    rm -rf /tmp/runs
+    python3 -m job --config /tmp/run.yaml --set storage_path=/tmp/runs "${@:2}" >"$out/run.log" 2>&1
+    echo "exit $?"
+    cp /tmp/run.yaml /tmp/runs/gsm8k/run.json /tmp/runs/gsm8k/metrics.jsonl "$out/"
+    cp /tmp/runs/gsm8k/export/acceptance.json "$out/" 2>/dev/null
+    python3 scripts/finetune_summary.py "$out/run.log" /tmp/runs/gsm8k | tee "$out/summary.txt" ;;
+  *)
+    echo "usage: $0 receive N | prepare MODEL | run [--set KEY=VALUE ...]" >&2; exit 2 ;;
+esac
