@@ -155,7 +155,8 @@ def _writer(uri: str):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(uri)
-    return FileSystemWriter(uri.removeprefix("file://"))
+    # Several files per rank, written in parallel: one stream does not fill a fast disk.
+    return FileSystemWriter(uri.removeprefix("file://"), thread_count=4)
 
 
 def _reader(uri: str):
@@ -195,8 +196,9 @@ def due(step: int, cfg: config_lib.RunConfig) -> bool:
 class Checkpointer:
     """Saves checkpoints while training goes on (collective: every rank makes the same calls in the same order).
 
-    `save(step)` copies this rank's shards of the model and optimizer state into host memory (pinned on GPU;
-    the buffers are allocated at the first save and reused), which is all training waits for, and hands the
+    `save(step)` copies this rank's shards of the model and optimizer state into host memory (`HostStager`:
+    pinned on GPU, allocated in the background after the first step, reused), which is all training waits for,
+    and hands the
     write to a background thread: DCP shards and this rank's RNG state, over a gloo group of its own so that
     the training's collectives keep the default group to themselves. A checkpoint becomes complete only in
     `finish()`, once every rank's write has returned: rank 0 then writes `train_state.json` and, last,
@@ -211,16 +213,20 @@ class Checkpointer:
     def __init__(self, cfg: config_lib.RunConfig, run_dir: str, launcher: str, device: torch.device):
         from concurrent.futures import ThreadPoolExecutor
 
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         self.cfg, self.run_dir, self.launcher = cfg, run_dir, launcher
         self.group = dist.new_group(backend="gloo")
-        cuda = device.type == "cuda"
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self.stager = HostStager(pin=device.type == "cuda")
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
         self.pending = None  # (step, uri, future of the write, returning its seconds)
         self.arch: dict = {}
+
+    def prepare(self, model, optimizer) -> None:
+        """Allocates the host buffers of the first save in the background (pinning gigabytes of host memory
+        takes seconds); call once the optimizer has its state, i.e. after the first step."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        self.stager.allocate_in_background({"model": model_sd, "optim": optim_sd})
 
     def save(self, step: int, model, optimizer) -> None:
         """Starts saving `step`; returns once the state is staged in host memory."""
@@ -288,7 +294,77 @@ class Checkpointer:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
-        self.stager.close()
+
+
+class HostStager:
+    """Copies a state dict's tensors (DTensors: their local shards) into host buffers kept from save to save, so
+    training may go on changing the originals while a background thread writes the copy.
+
+    Buffers are keyed by their place in the state dict and pinned on GPU runs (fast, asynchronous device-to-host
+    copies, waited for once at the end). Everything that is not a tensor is deep-copied.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self._allocating = None
+
+    def allocate_in_background(self, state_dict: dict) -> None:
+        import threading
+
+        shapes = {path: (t.shape, t.dtype) for path, t in _tensors(state_dict)}
+        self._allocating = threading.Thread(target=lambda: self.buffers.update(
+            {path: torch.empty(shape, dtype=dtype, pin_memory=self.pin) for path, (shape, dtype) in shapes.items()}),
+            daemon=True)
+        self._allocating.start()
+
+    def stage(self, state_dict: dict) -> dict:
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
+        staged = self._copy(state_dict, ())
+        if self.pin:
+            torch.cuda.synchronize()
+        return staged
+
+    def _copy(self, obj, path: tuple):
+        import copy
+
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            local = self._buffer(obj.to_local(), path)
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            return self._buffer(obj, path)
+        if isinstance(obj, dict):
+            return {k: self._copy(v, (*path, k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(v, (*path, i)) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def _buffer(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+        buffer = self.buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+        return buffer.copy_(tensor.detach(), non_blocking=self.pin)
+
+
+def _tensors(obj, path: tuple = ()):
+    """(path, tensor) of every tensor in a nested state dict; a DTensor's local shard stands for it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        yield path, obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, (*path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, (*path, i))
 
 
 def _ray_report(name: str, metrics: dict) -> None:

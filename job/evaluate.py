@@ -145,15 +145,17 @@ def decode_continuation(tokenizer, output_row: torch.Tensor, prompt_len: int) ->
 
 @torch.no_grad()
 def greedy_generate(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                    eos_token_id: int | None, pad_token_id: int) -> torch.Tensor:
+                    eos_token_id: int | None, pad_token_id: int, cache: str = "static") -> torch.Tensor:
     """Greedy decoding with a KV cache on a plain (unsharded) causal LM: prompt and continuation ids.
 
     With `eos_token_id`, the batch stops once every row has produced it (rows that ended are padded); without,
     it runs exactly `max_new_tokens` steps. Up to each row's first EOS the two are token for token the same.
+    The cache is static (allocated once for prompt + new tokens, written in place): the default dynamic cache
+    concatenates every layer's keys and values at every step, which at a batch of hundreds copies terabytes.
     """
     return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                       do_sample=False, temperature=None, top_p=None, top_k=None,
-                       eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                       do_sample=False, temperature=None, top_p=None, top_k=None, cache_implementation=cache,
+                       disable_compile=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
 def pad_id(tokenizer) -> int:

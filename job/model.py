@@ -173,11 +173,13 @@ def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.dev
     with torch.device("meta"):
         copy = AutoModelForCausalLM.from_config(lm.config, dtype=dtype, attn_implementation=lm.config._attn_implementation)
     copy.to_empty(device=device)
+    # Names without the wrappers `parallelize` may add (torch.compile, activation checkpointing).
+    plain = lambda name: name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")  # noqa: E731
     targets = dict(copy.named_parameters())
     for name, param in lm.named_parameters():
-        targets[name].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
+        targets[plain(name)].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
     for name, buffer in lm.named_buffers():  # e.g. rotary frequencies, which FSDP leaves unsharded
-        copy.get_buffer(name).copy_(buffer)
+        copy.get_buffer(plain(name)).copy_(buffer)
     copy.tie_weights()
     copy.generation_config = lm.generation_config
     return copy.eval().requires_grad_(False)

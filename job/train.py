@@ -225,6 +225,7 @@ def train(run: Run) -> None:
         if first_step_s is None:  # compilation and warm-up: the first step's time beyond a typical step
             run.timeline.sync()
             first_step_s = time.perf_counter() - loop_start
+            run.checkpointer.prepare(run.model, run.optimizer)
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
             writes_done = float(run.checkpointer.write_done())
