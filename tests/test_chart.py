@@ -140,7 +140,7 @@ def test_values_yaml_matches_the_schema():
             compare(sub, schema["properties"][key], f"{path}.{key}")
 
     compare(values, SCHEMA, "values")
-    chart_keys = set(SCHEMA["properties"]) - {"raylib"}
+    chart_keys = set(SCHEMA["properties"]) - {"raylib", "global"}
     assert chart_keys == set(values), f"schema and values.yaml differ: {chart_keys ^ set(values)}"
 
 
@@ -176,10 +176,12 @@ def test_default_run_config_loads_in_the_job():
 
 
 def test_runtime_env_pins_match_requirements():
+    """The stock-image profile installs the job's dependencies as pinned for CI; the default image needs none."""
     pins = {l.split("==")[0]: l for l in (REPO / "requirements.txt").read_text().splitlines() if "==" in l}
-    values = yaml.safe_load((REPO / "values.yaml").read_text())
-    for requirement in values["runtimeEnv"]["pip"]:
+    profile = yaml.safe_load((REPO / "values" / "cpu-smoke.yaml").read_text())
+    for requirement in profile["runtimeEnv"]["pip"]:
         assert pins[requirement.split("==")[0]] == requirement
+    assert "runtimeEnvYAML" not in one(render(), "RayJob")["spec"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def test_one_pod_template_for_head_and_workers():
 
 def test_ray_pods_get_the_job_environment_and_mounts():
     objects = render("--set", "huggingface.existingSecret=hf", "--set", "image.digest=sha256:" + "b" * 64)
-    expected_image = "rayproject/ray@sha256:" + "b" * 64
+    expected_image = "public.ecr.aws/deep-learning-containers/ray@sha256:" + "b" * 64
     for _, group in ray_pod_specs(objects):
         spec = group["template"]["spec"]
         container = spec["containers"][0]
@@ -258,10 +260,15 @@ def test_num_gpus_follows_the_gpu_request():
 
 
 def test_efa_switch_sets_the_nccl_environment():
-    for args, expected in ((["-f", "values/eks-g6-efa.yaml"], True), ([], False)):
+    efa_env = ["--set", "efa.env.FI_PROVIDER=efa", "--set", "efa.env.NCCL_DEBUG=INFO"]
+    for args, expected in (([*efa_env, "-f", "values/eks-g6-efa.yaml"], True), (efa_env, False)):
         for _, group in ray_pod_specs(render(*args)):
-            env = {e["name"] for e in group["template"]["spec"]["containers"][0]["env"]}
-            assert ({"FI_PROVIDER", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG"} <= env) is expected
+            env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+            assert (env.get("FI_PROVIDER") == "efa" and env.get("NCCL_DEBUG") == "INFO") is expected
+    # The default image sets them itself: the hardware profile adds none.
+    for _, group in ray_pod_specs(render("-f", "values/eks-g6-efa.yaml")):
+        env = {e["name"] for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert not env & {"FI_PROVIDER", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME"}
 
 
 def test_checksums_follow_run_config_and_code():
@@ -270,13 +277,13 @@ def test_checksums_follow_run_config_and_code():
         return head["template"]["metadata"]["annotations"]
 
     base = annotations()
-    changed = annotations("--set", "run.train.max_steps=7")
+    changed = annotations("--set", "run.train.max_steps=70")
     assert changed["checksum/config"] != base["checksum/config"]
     assert changed["checksum/job"] == base["checksum/job"]
 
 
 def test_rayjob_name_changes_with_content_not_run_name():
-    base, changed = render(), render("--set", "run.train.max_steps=7")
+    base, changed = render(), render("--set", "run.train.max_steps=70")
     assert one(base, "RayJob")["metadata"]["name"] != one(changed, "RayJob")["metadata"]["name"]
     assert run_config(base)["name"] == run_config(changed)["name"] == "exp1"
     assert one(base, "RayJob")["metadata"]["name"] == one(render(), "RayJob")["metadata"]["name"]
@@ -363,7 +370,7 @@ def test_package_contains_the_job_and_renders_the_same(tmp_path):
         names = set(tar.getnames())
     job_files = {f"ray-finetune/job/{p.name}" for p in (REPO / "job").iterdir() if p.is_file() and p.suffix in (".py", ".json")}
     assert job_files <= names
-    assert "ray-finetune/charts/raylib/templates/_raycluster.tpl" in names
+    assert "ray-finetune/charts/raylib/templates/_ray-pod-template.tpl" in names
     assert not any(n.startswith(("ray-finetune/tests/", "ray-finetune/.tools/", "ray-finetune/.venv/")) for n in names)
     args = ("-f", "values/cpu-smoke.yaml")
     assert render(*args, chart=str(package)) == render(*args)
