@@ -18,6 +18,7 @@ from chart_helpers import (
     REPO,
     by_kind,
     helm,
+    template_args,
     one,
     profile_commands,
     render,
@@ -27,7 +28,7 @@ from chart_helpers import (
 )
 
 from job import __version__ as job_version
-from job.config import json_schema, load_dict
+from job.config import ConfigError, json_schema, load_dict
 
 PROFILE_COMMANDS = profile_commands()
 # Every combination shown in the profiles' comments, plus the chart's own modes.
@@ -185,8 +186,321 @@ def test_runtime_env_pins_match_requirements():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The chart rejects at `helm install` what the job rejects at start
+# ---------------------------------------------------------------------------------------------------------------------
+
+DEFAULT_RUN = yaml.safe_load((REPO / "values.yaml").read_text())["run"]
+GPU_CLUSTER = ({}, {"num_workers": 1, "use_gpu": True, "cpus_per_worker": 8})  # values.yaml's one 1-GPU worker
+CPU_CLUSTER = ({"worker": {"gpus": 0, "replicas": 2}}, {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 8})
+REAL_DATA = {
+    "model": {"init": "pretrained", "preset": None, "path": "Qwen/Qwen2.5-1.5B"},
+    "data": {"format": "prompt_completion", "train": "/mnt/runs/gsm8k/train.jsonl",
+             "columns": {"prompt": "question", "completion": "answer"}, "prompt_template": "Q: {prompt}\nA: "},
+    "eval": {"task": "gsm8k"},
+}
+
+
+def helm_merged(base: dict, override: dict) -> dict:
+    """`override` coalesced into `base` as Helm does with values: maps merge, null deletes, the rest replaces."""
+    merged = dict(base)
+    for key, value in override.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = helm_merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def nested(dotted: str, value) -> dict:
+    *parents, leaf = dotted.split(".")
+    node = {leaf: value}
+    for part in reversed(parents):
+        node = {part: node}
+    return node
+
+
+CHART_DERIVED = {"name", "storage_path", "scaling.num_workers", "scaling.use_gpu", "scaling.cpus_per_worker"}
+
+
+def bound_samples():
+    """(name, run override) at both sides of every range the schema states (beyond it also as a string, as
+    `--set` passes numbers), except the fields the chart derives."""
+    def walk(schema, path):
+        for key, field in schema.get("properties", {}).items():
+            if f"{path}{key}" in CHART_DERIVED:
+                continue
+            branches = [b for b in field.get("anyOf", [field]) if "properties" in b]
+            if branches:
+                yield from walk(branches[0], f"{path}{key}.")
+                continue
+            types = field.get("type", [])
+            is_float = "number" in types
+            step = 0.5 if is_float else 1
+            for bound, outside, inside in (("minimum", -step, 0), ("exclusiveMinimum", 0, step),
+                                           ("maximum", step, 0), ("exclusiveMaximum", 0, -step)):
+                if bound in field:
+                    for label, offset in (("outside", outside), ("inside", inside)):
+                        value = (float if is_float else int)(field[bound] + offset)
+                        yield f"{path}{key} {bound} {label}", nested(f"{path}{key}", value)
+                        if is_float and label == "outside":
+                            yield f"{path}{key} {bound} {label} (string)", nested(f"{path}{key}", repr(value))
+
+    yield from walk(json_schema(), "")
+
+
+CROSS_FIELD_SAMPLES = [
+    # (name, run override, cluster)
+    ("defaults", {}, GPU_CLUSTER),
+    ("warmup = steps", {"train": {"warmup_steps": 100}}, GPU_CLUSTER),
+    ("warmup < steps", {"train": {"warmup_steps": 99}}, GPU_CLUSTER),
+    ("lr as a string", {"train": {"lr": "2e-5"}}, GPU_CLUSTER),
+    ("lr not a number", {"train": {"lr": "fast"}}, GPU_CLUSTER),
+    ("betas one value", {"train": {"betas": [0.9]}}, GPU_CLUSTER),
+    ("betas at 1", {"train": {"betas": [0.9, 1.0]}}, GPU_CLUSTER),
+    ("betas as strings", {"train": {"betas": ["0.9", "0.99"]}}, GPU_CLUSTER),
+    ("seq_len not an int", {"train": {"seq_len": "abc"}}, GPU_CLUSTER),
+    ("unknown key", {"train": {"max_step": 5}}, GPU_CLUSTER),
+    ("mode enum", {"mode": "finetune"}, GPU_CLUSTER),
+    ("precision enum", {"parallel": {"mixed_precision": "fp16"}}, GPU_CLUSTER),
+    ("transport enum", {"preflight": {"expect": {"transport": "pigeon"}}}, GPU_CLUSTER),
+    ("preset and path", {"model": {"path": "Qwen/Qwen2.5-1.5B"}}, GPU_CLUSTER),
+    ("pretrained without path", {"model": {"init": "pretrained"}}, GPU_CLUSTER),
+    ("random without architecture", {"model": {"preset": None}}, GPU_CLUSTER),
+    ("sdpa backend with eager", {"model": {"sdpa_backend": "cudnn", "attn_implementation": "eager"}}, GPU_CLUSTER),
+    ("sdpa backend with sdpa", {"model": {"sdpa_backend": "cudnn"}}, GPU_CLUSTER),
+    ("tokenizer and trained vocab", {"model": {"train_tokenizer_vocab": 512, "tokenizer": "t"}}, GPU_CLUSTER),
+    ("synthetic with a source", {"data": {"train": "/x.jsonl"}}, GPU_CLUSTER),
+    ("synthetic with a task", {"eval": {"task": "gsm8k"}}, GPU_CLUSTER),
+    ("synthetic with a sample prompt", {"eval": {"sample_prompt": "Hello"}}, GPU_CLUSTER),
+    ("offload and compile", {"parallel": {"cpu_offload": True, "compile": True}}, GPU_CLUSTER),
+    ("shard group not dividing", {"parallel": {"shard_group_size": 2}}, GPU_CLUSTER),
+    ("shard group dividing", {"parallel": {"shard_group_size": 2}}, CPU_CLUSTER),
+    ("bf16 on CPU", {"parallel": {"mixed_precision": "bf16"}}, CPU_CLUSTER),
+    ("bf16 on GPU", {"parallel": {"mixed_precision": "bf16"}}, GPU_CLUSTER),
+    ("fault after the last step", {"debug": {"fail_at_step": 101}}, GPU_CLUSTER),
+    ("fault at the last step", {"debug": {"fail_at_step": 100}}, GPU_CLUSTER),
+    ("profile after the last step", {"debug": {"profile_step": 101}}, GPU_CLUSTER),
+    ("fault rank beyond the workers", {"debug": {"fail_rank": 1}}, GPU_CLUSTER),
+    ("fault rank within the workers", {"debug": {"fail_rank": 1}}, CPU_CLUSTER),
+    ("resume blank", {"checkpoint": {"resume": " "}}, GPU_CLUSTER),
+    ("resume from a path", {"checkpoint": {"resume": "/mnt/runs/a/checkpoint_00000050"}}, GPU_CLUSTER),
+    ("no message sizes", {"preflight": {"sizes_mib": []}}, GPU_CLUSTER),
+    ("real data", REAL_DATA, GPU_CLUSTER),
+]
+REAL_DATA_VARIANTS = [
+    ("without a source", {"data": {"train": None}}),
+    ("empty source", {"data": {"train": ""}}),
+    ("empty source path", {"data": {"train": {"path": ""}}}),
+    ("hub id with two slashes", {"data": {"train": "hf:a/b/c"}}),
+    ("hub id", {"data": {"train": {"path": "hf:openai/gsm8k", "subset": "main", "revision": "abc"}}}),
+    ("revision of a file", {"data": {"train": {"path": "/x.jsonl", "revision": "abc"}}}),
+    ("subset of a file", {"data": {"train": {"path": "/x.jsonl", "subset": "main"}}}),
+    ("split of a file", {"data": {"train": {"path": "/x.jsonl", "split": "test"}}}),
+    ("builtin text as prompt/completion", {"data": {"train": "builtin:python-docs"}}),
+    ("unknown builtin", {"data": {"train": "builtin:poems"}}),
+    ("builtin text", {"data": {"format": "text", "train": "builtin:python-docs"}, "eval": {"task": None}}),
+    ("task on text", {"data": {"format": "text"}}),
+    ("chat", {"data": {"format": "chat", "chat_template": "{{ messages }}"}}),
+    ("chat template without chat", {"data": {"chat_template": "{{ messages }}"}}),
+    ("task without held-out rows", {"data": {"validation_fraction": 0}}),
+    ("task with a validation source", {"data": {"validation_fraction": 0, "validation": "/v.jsonl"}}),
+    ("validation fraction 1", {"data": {"validation_fraction": 1}}),
+    ("empty column", {"data": {"columns": {"prompt": ""}}}),
+    ("no tokenizer", {"model": {"init": "random", "preset": "qwen2-tiny", "path": None}}),
+    ("trained tokenizer", {"model": {"init": "random", "preset": "qwen2-tiny", "path": None, "train_tokenizer_vocab": 512}}),
+    ("small trained vocabulary", {"model": {"init": "random", "preset": "qwen2-tiny", "path": None, "train_tokenizer_vocab": 259}}),
+    ("synthetic after all", {"data": {"format": "synthetic"}}),
+    *[(f"prompt template {template!r}", {"data": {"prompt_template": template}})
+      for template in ("{0}", "{}", "{prompt", "prompt}", "{a.b}", "{prompt!r}", "{prompt!}", "{prompt:>10}",
+                       "{{literal}} {prompt}", "{{{prompt}}}", "Q: {question} ({answer})")],
+]
+SAMPLES = [
+    *[(name, override, GPU_CLUSTER) for name, override in bound_samples()],
+    *CROSS_FIELD_SAMPLES,
+    *[(f"real data: {name}", helm_merged(REAL_DATA, override), GPU_CLUSTER) for name, override in REAL_DATA_VARIANTS],
+]
+
+
+def job_verdict(override: dict, cluster) -> str:
+    """'' when the job accepts the run config the chart would render, else its error."""
+    _, scaling = cluster
+    run = helm_merged(DEFAULT_RUN, override)
+    run = helm_merged(run, {"name": "exp1", "storage_path": "/mnt/runs", "scaling": scaling})
+    try:
+        load_dict(run)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def chart_verdict(override: dict, cluster, tmp_path) -> str:
+    """'' when `helm template` renders, else its error."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({**cluster[0], "run": override}))
+    result = helm(*template_args(args=("-f", str(values), "--show-only", "templates/configmap-run.yaml")), check=False)
+    return "" if result.returncode == 0 else result.stderr.split("Error: ", 1)[-1]
+
+
+def test_chart_and_job_reject_the_same_run_configs(tmp_path):
+    assert len(SAMPLES) >= 120
+    disagreements, rejected = [], 0
+    for name, override, cluster in SAMPLES:
+        job, chart = job_verdict(override, cluster), chart_verdict(override, cluster, tmp_path)
+        if bool(job) != bool(chart):
+            disagreements.append(f"{name}: job {job or 'accepts'}; chart {chart.strip() or 'accepts'}")
+        elif job:
+            rejected += 1
+            field = re.sub(r"\[\d+\]", "", job.split(":")[0])
+            *parent, leaf = field.split(".")
+            named = (f"run.{field}" in chart or f"/run/{field.replace('.', '/')}" in chart
+                     or (f"/run/{'/'.join(parent)}" in chart and f"'{leaf}'" in chart))
+            if not named:
+                disagreements.append(f"{name}: the chart's error does not name {field}: {chart.strip()}")
+    assert not disagreements, "\n".join(disagreements)
+    assert rejected > len(SAMPLES) / 3  # the sample exercises the rules, not only valid configs
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # What the objects say
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_set_passes_floats_as_numbers():
+    args = ["--set", "run.train.lr=2e-5", "--set", "run.data.validation_fraction=0.1", "--set", "run.train.betas={0.9,0.99}",
+            "--set", "run.logging.peak_flops=1.2e14"]
+    config = run_config(render(*args))
+    assert config["train"]["lr"] == 2e-5 and config["train"]["betas"] == [0.9, 0.99]
+    assert config["logging"]["peak_flops"] == 1.2e14 and config["data"]["validation_fraction"] == 0.1
+    assert load_dict(config).train.lr == 2e-5
+    assert "run.train.min_lr_ratio: must be <= 1, got 1.5" in render_error("--set", "run.train.min_lr_ratio=1.5")
+    assert "/run/train/lr" in render_error("--set", "run.train.lr=fast")
+
+
+def test_works_as_a_subchart(tmp_path):
+    umbrella = tmp_path / "umbrella"
+    (umbrella / "charts").mkdir(parents=True)
+    shutil.copytree(chart_copy(tmp_path), umbrella / "charts" / "ray-finetune")
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0",
+        "dependencies": [{"name": "ray-finetune", "version": job_version, "repository": "file://charts/ray-finetune"}],
+    }))
+    (umbrella / "values.yaml").write_text(yaml.safe_dump({
+        "global": {"imageRegistry": "registry.example.com"},
+        "ray-finetune": {"run": {"train": {"max_steps": 50}}},
+    }))
+    objects = render(release="team", chart=str(umbrella))
+    assert run_config(objects)["train"]["max_steps"] == 50
+    for obj in objects:
+        validate(obj)
+
+
+def test_worker_groups_replace_the_default_group():
+    names = lambda *args: [name for name, _ in ray_pod_specs(render(*args))]
+    assert names() == ["head", "workers"]
+    assert names("--set", "workerGroups.big.replicas=2") == ["head", "big"]
+    groups = dict(ray_pod_specs(render("--set", "workerGroups.big.replicas=2", "--set", "worker.gpus=2")))
+    assert groups["big"]["replicas"] == 2 and groups["big"]["rayStartParams"]["num-gpus"] == "2"
+    assert run_config(render("--set", "workerGroups.big.replicas=2", "--set", "worker.gpus=2"))["scaling"]["num_workers"] == 4
+    by_group, by_default = (dict(ray_pod_specs(render("--set", arg))) for arg in ("workerGroups.workers.replicas=3", "worker.replicas=3"))
+    assert by_group.keys() == by_default.keys() and by_group["workers"]["replicas"] == by_default["workers"]["replicas"] == 3
+
+
+def test_profile_order_cannot_decide_the_memory_fit():
+    error = render_error("-f", "values/eks-g6-efa.yaml", "-f", "values/synthetic.yaml")
+    assert "hardware.maxTokensPerDevice" in error and "give the hardware profile last" in error
+    render("-f", "values/synthetic.yaml", "-f", "values/eks-g6-efa.yaml")
+
+
+def all_pods(objects):
+    """(role, pod spec) of every pod the objects create: Ray nodes, the submitter, the test pod."""
+    for group, spec in ray_pod_specs(objects):
+        yield group, spec["template"]["spec"]
+    for rayjob in by_kind(objects, "RayJob"):
+        if "submitterPodTemplate" in rayjob["spec"]:
+            yield "submitter", rayjob["spec"]["submitterPodTemplate"]["spec"]
+    for pod in by_kind(objects, "Pod"):
+        yield "test", pod["spec"]
+
+
+def restricted_violations(spec) -> list[str]:
+    """What breaks Pod Security "restricted" (v1.33) in a pod spec."""
+    pod, problems = spec.get("securityContext", {}), []
+    for c in spec["containers"]:
+        context = c.get("securityContext", {})
+        if not context.get("runAsNonRoot", pod.get("runAsNonRoot")):
+            problems.append(f"{c['name']}: runAsNonRoot")
+        if context.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{c['name']}: allowPrivilegeEscalation")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{c['name']}: capabilities {capabilities}")
+        seccomp = context.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{c['name']}: seccompProfile")
+    if any("hostPath" in v for v in spec.get("volumes", [])):
+        problems.append("hostPath volume")
+    return problems
+
+
+def test_security_contexts_per_role():
+    for args in ([], ["-f", "values/eks-g6-efa.yaml"], ["-f", "values/cpu-smoke.yaml"], ["--set", "rayCluster.create=true"]):
+        objects = render(*args)
+        efa = "values/eks-g6-efa.yaml" in args
+        roles = set()
+        for role, spec in all_pods(objects):
+            roles.add(role)
+            container = spec["containers"][0]
+            added = container["securityContext"].get("capabilities", {}).get("add", [])
+            if efa and role not in ("head", "submitter", "test"):
+                assert added == ["IPC_LOCK"], role
+                assert restricted_violations(spec) == [f"{container['name']}: capabilities {container['securityContext']['capabilities']}"]
+            else:
+                assert restricted_violations(spec) == [], (args, role)
+            assert container["securityContext"].get("readOnlyRootFilesystem", False) is (role == "test")
+        assert {"head", "test"} <= roles
+    head = dict(all_pods(render("--set", "head.securityContext.readOnlyRootFilesystem=true")))["head"]
+    assert head["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_ray_endpoints_are_closed_and_authenticated():
+    objects = render()
+    policy = one(objects, "NetworkPolicy")
+    selector = {"app.kubernetes.io/name": "ray-finetune", "app.kubernetes.io/instance": "exp1"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector and policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": selector}},
+                            {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    # Every pod of the release carries the selected labels, so each reaches the others.
+    pod_labels = [g["template"]["metadata"]["labels"] for _, g in ray_pod_specs(objects)]
+    pod_labels += [one(objects, "RayJob")["spec"]["submitterPodTemplate"]["metadata"]["labels"], one(objects, "Pod")["metadata"]["labels"]]
+    assert all(selector.items() <= labels.items() for labels in pod_labels)
+    assert one(objects, "RayJob")["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
+    extra = render("--set", "networkPolicy.extraFrom[0].namespaceSelector.matchLabels.team=ml")
+    assert one(extra, "NetworkPolicy")["spec"]["ingress"][0]["from"][-1] == {"namespaceSelector": {"matchLabels": {"team": "ml"}}}
+    off = render("--set", "networkPolicy.enabled=false", "--set", "rayAuth=false")
+    assert not by_kind(off, "NetworkPolicy") and "authOptions" not in one(off, "RayJob")["spec"]["rayClusterSpec"]
+
+
+def test_common_labels_annotations_and_namespace_on_every_object():
+    args = ["--set", "commonLabels.team=ml", "--set", "commonAnnotations.owner=ml-platform", "--set", "rayCluster.create=true",
+            "--set", "rayCluster.podDisruptionBudget=true", "--set", "podLabels.cost-center=ml-42"]
+    objects = render(*args)
+    assert {o["kind"] for o in objects} >= {"RayJob", "RayCluster", "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim"}
+    for obj in objects:
+        validate(obj)
+        meta = obj["metadata"]
+        assert meta["namespace"] == "experiments", obj["kind"]
+        assert meta["labels"]["team"] == "ml" and meta["annotations"]["owner"] == "ml-platform", obj["kind"]
+    pod_metadata = [g["template"]["metadata"] for _, g in ray_pod_specs(objects)]
+    pod_metadata += [o["spec"]["submitterPodTemplate"]["metadata"] for o in by_kind(objects, "RayJob")]
+    pod_metadata += [o["metadata"] for o in by_kind(objects, "Pod")]
+    for meta in pod_metadata:
+        assert meta["labels"]["team"] == "ml" and meta["labels"]["cost-center"] == "ml-42"
+        assert meta["annotations"]["owner"] == "ml-platform"
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": {"ray.io/cluster": one(objects, "RayCluster")["metadata"]["name"]}}}
 
 
 def test_run_config_is_derived_from_release_storage_and_worker_groups():
