@@ -638,13 +638,32 @@ def test_role_is_least_privilege():
     ]
 
 
+def notes(*args: str) -> str:
+    out = helm("install", "exp1", ".", "--dry-run=client", "--namespace", "experiments", *args).stdout
+    return out[out.index("NOTES:"):]
+
+
 def test_notes_give_commands_for_this_release():
-    notes = helm("install", "exp1", ".", "--dry-run=client", "--namespace", "experiments").stdout
-    notes = notes[notes.index("NOTES:"):]
+    text = notes()
     rayjob = one(render(), "RayJob")["metadata"]["name"]
     for command in (f"kubectl -n experiments get rayjob {rayjob} -w", f"kubectl -n experiments logs -f job/{rayjob}",
-                    "helm test exp1 -n experiments --logs", "/mnt/runs/exp1/metrics.jsonl"):
-        assert command in notes
+                    "helm test exp1 -n experiments --logs", "/mnt/runs/exp1/metrics.jsonl",
+                    "kubectl -n experiments cp exp1-copy:/mnt/runs/exp1 ./exp1", "python -m job report ./exp1",
+                    "-o jsonpath='{.data.auth_token}' | base64 -d"):
+        assert command in text
+    assert "aws s3 cp --recursive s3://b/p/exp1 ./exp1" in notes("--set", "storage.uri=s3://b/p")
+
+
+def test_notes_say_what_pods_install_and_warn_about_tags():
+    image = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+    text = notes()
+    assert "installs" not in text
+    assert f"crane digest {image}" in text and f"docker buildx imagetools inspect {image}" in text
+    assert "WARNING" not in notes("--set", "image.digest=sha256:" + "c" * 64)
+    smoke = notes("-f", "values/cpu-smoke.yaml")
+    listed = smoke[smoke.index("each Ray pod installs"):].splitlines()[1:5]
+    assert [line.strip() for line in listed] == yaml.safe_load((REPO / "values/cpu-smoke.yaml").read_text())["runtimeEnv"]["pip"]
+    assert "s3fs==2026.4.0" in notes("--set", "runtimeEnv.pip.packages={s3fs==2026.4.0}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
