@@ -369,6 +369,10 @@ head:
   {{- toYaml (omit .Values.head "securityContext") | nindent 2 }}
   securityContext:
     {{- include "ray-finetune.securityContext" (dict "ctx" . "role" .Values.head.securityContext) | nindent 4 }}
+  {{- with include "ray-finetune.stagingContainer" . }}
+  initContainers:
+    - {{- . | nindent 6 }}
+  {{- end }}
 workerGroups:
   {{- range $name, $group := include "ray-finetune.workerGroups" . | fromYaml }}
   {{- $efa := and $.Values.efa.enabled (gt (int $group.gpus) 0) }}

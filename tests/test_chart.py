@@ -4,6 +4,7 @@ Needs the pinned helm (scripts/install-helm.sh) and ../shared/kuberay-crds/; no 
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -365,6 +366,37 @@ def test_chart_and_job_reject_the_same_run_configs(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # What the objects say
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def run_container_script(container: dict, env: dict) -> subprocess.CompletedProcess:
+    """A rendered `python -c` container run here, with its literal env values overridden by `env`."""
+    literal = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    return subprocess.run([sys.executable, "-c", container["args"][0]], env={**os.environ, **literal, **env},
+                          capture_output=True, text=True)
+
+
+def test_staging_copies_once_then_checks_the_data(tmp_path):
+    source = tmp_path / "bucket" / "gsm8k"
+    source.mkdir(parents=True)
+    (source / "train.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    claim = tmp_path / "claim"
+    args = ["-f", "values/gsm8k.yaml", "--set", "run.data.train=/mnt/runs/datasets/gsm8k/train.jsonl",
+            "--set-json", f'staging.copies=[{{"from":"{source}","to":"datasets/gsm8k"}}]']
+    objects = render(*args)
+    (init,) = dict(ray_pod_specs(objects))["head"]["template"]["spec"]["initContainers"]
+    assert init["volumeMounts"] == [{"name": "runs", "mountPath": "/mnt/runs"}]
+    assert [name for name, g in ray_pod_specs(objects) if "initContainers" in g["template"]["spec"]] == ["head"]
+    paths = {"STAGING_ROOT": str(claim), "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/datasets/gsm8k/train.jsonl"})}
+    first = run_container_script(init, paths)
+    assert first.returncode == 0, first.stderr
+    assert (claim / "datasets" / "gsm8k" / "train.jsonl").read_text() == (source / "train.jsonl").read_text()
+    assert "is readable" in first.stdout
+    assert "already copied" in run_container_script(init, paths).stdout
+    missing = run_container_script(init, {**paths, "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/nothing.jsonl"})})
+    assert missing.returncode == 1 and "run.data.train: " in missing.stderr and "does not exist" in missing.stderr
+    # Nothing to copy or check: no init container; a bucket cannot be a copy target.
+    assert "initContainers" not in dict(ray_pod_specs(render()))["head"]["template"]["spec"]
+    assert "staging.copies" in render_error("--set", "storage.uri=s3://b/p", "--set-json", 'staging.copies=[{"from":"/d","to":"d"}]')
 
 
 def test_set_passes_floats_as_numbers():

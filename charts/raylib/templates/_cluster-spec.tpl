@@ -35,6 +35,7 @@ describes its cluster in its own values and shares one pod template:
     affinity: {}
     priorityClassName: ""
     securityContext: {}         # of the group's Ray container
+    initContainers: []          # core/v1 Containers run before Ray starts
 
 The pod template itself is in _ray-pod-template.tpl. Callers build the description (usually as YAML, then `fromYaml`) and include "raylib.clusterSpec".
 */}}
