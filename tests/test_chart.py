@@ -5,6 +5,7 @@ Needs the pinned helm (scripts/install-helm.sh) and ../shared/kuberay-crds/; no 
 
 import json
 import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -48,6 +49,7 @@ COMBINATIONS = {
     "deletion rules": ["-f", "tests/fixtures/deletion-rules.yaml"],
     "HTTPMode": ["--set", "rayJob.submissionMode=HTTPMode"],
     "SidecarMode": ["--set", "rayJob.submissionMode=SidecarMode"],
+    **{f"ci/{p.name}": ["-f", f"ci/{p.name}"] for p in sorted((REPO / "ci").glob("*-values.yaml"))},
 }
 INVALID_VALUES = sorted((REPO / "tests" / "fixtures" / "invalid-values").glob("*.yaml"))
 SCHEMA = json.loads((REPO / "values.schema.json").read_text())
@@ -703,6 +705,21 @@ def test_notes_say_what_pods_install_and_warn_about_tags():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def test_values_reference_is_generated_from_values_yaml():
+    subprocess.run([sys.executable, "scripts/gen-chart-readme.py", "--check"], cwd=REPO, check=True)
+    reference = (REPO / "docs" / "values.md").read_text()
+    for key in ("image.digest", "worker.gpus", "networkPolicy.enabled", "staging.copies", "run"):
+        assert f"| {key} |" in reference
+
+
+def test_chart_metadata_is_publishable():
+    chart = yaml.safe_load((REPO / "Chart.yaml").read_text())
+    images = yaml.safe_load(chart["annotations"]["artifacthub.io/images"])
+    values = yaml.safe_load((REPO / "values.yaml").read_text())
+    assert images[0]["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
+    assert all({"kind", "description"} <= set(c) for c in yaml.safe_load(chart["annotations"]["artifacthub.io/changes"]))
+
+
 def test_chart_version_tracks_the_job_package():
     chart = yaml.safe_load((REPO / "Chart.yaml").read_text())
     assert chart["version"] == chart["appVersion"] == job_version
@@ -739,3 +756,11 @@ def test_package_contains_the_job_and_renders_the_same(tmp_path):
     assert not any(n.startswith(("ray-finetune/tests/", "ray-finetune/.tools/", "ray-finetune/.venv/")) for n in names)
     args = ("-f", "values/cpu-smoke.yaml")
     assert render(*args, chart=str(package)) == render(*args)
+    # Every relative link in the packaged Markdown points into the package.
+    with tarfile.open(package) as tar:
+        for member in (m for m in tar.getmembers() if m.name.endswith(".md")):
+            text = tar.extractfile(member).read().decode()
+            for link in re.findall(r"\]\(([^)#\s]+)", text):
+                if "://" not in link:
+                    target = posixpath.normpath(posixpath.join(posixpath.dirname(member.name), link))
+                    assert target in names, f"{member.name} links {link}, not in the package"
