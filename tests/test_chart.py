@@ -20,6 +20,7 @@ from chart_helpers import (
     REPO,
     by_kind,
     helm,
+    names_field,
     template_args,
     one,
     profile_commands,
@@ -92,7 +93,7 @@ def test_every_rendered_object_is_valid(args):
 @pytest.mark.parametrize("values_file", INVALID_VALUES, ids=[p.stem for p in INVALID_VALUES])
 def test_invalid_values_are_rejected_naming_the_field(values_file):
     expected = values_file.read_text().splitlines()[0].removeprefix("# expect: ")
-    assert expected in render_error("-f", str(values_file.relative_to(REPO)))
+    assert names_field(render_error("-f", str(values_file.relative_to(REPO))), expected)
 
 
 def test_invalid_values_table_is_large_enough():
@@ -357,8 +358,8 @@ def test_chart_and_job_reject_the_same_run_configs(tmp_path):
             rejected += 1
             field = re.sub(r"\[\d+\]", "", job.split(":")[0])
             *parent, leaf = field.split(".")
-            named = (f"run.{field}" in chart or f"/run/{field.replace('.', '/')}" in chart
-                     or (f"/run/{'/'.join(parent)}" in chart and f"'{leaf}'" in chart))
+            named = (names_field(chart, f"/run/{field.replace('.', '/')}")
+                     or (names_field(chart, f"/run/{'/'.join(parent)}") and leaf in chart))
             if not named:
                 disagreements.append(f"{name}: the chart's error does not name {field}: {chart.strip()}")
     assert not disagreements, "\n".join(disagreements)
@@ -409,7 +410,7 @@ def test_set_passes_floats_as_numbers():
     assert config["logging"]["peak_flops"] == 1.2e14 and config["data"]["validation_fraction"] == 0.1
     assert load_dict(config).train.lr == 2e-5
     assert "run.train.min_lr_ratio: must be <= 1, got 1.5" in render_error("--set", "run.train.min_lr_ratio=1.5")
-    assert "/run/train/lr" in render_error("--set", "run.train.lr=fast")
+    assert names_field(render_error("--set", "run.train.lr=fast"), "/run/train/lr")
 
 
 def test_works_as_a_subchart(tmp_path):
@@ -673,6 +674,8 @@ def test_role_is_least_privilege():
 
 
 def notes(*args: str) -> str:
+    if helm("version", "--template", "{{.Version}}").stdout.startswith("v3."):
+        pytest.skip("helm v3's install --dry-run=client still needs a cluster: NOTES.txt is checked with helm v4")
     out = helm("install", "exp1", ".", "--dry-run=client", "--namespace", "experiments", *args).stdout
     return out[out.index("NOTES:"):]
 
