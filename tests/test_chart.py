@@ -4,6 +4,8 @@ Needs the pinned helm (scripts/install-helm.sh) and ../shared/kuberay-crds/; no 
 """
 
 import json
+import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -18,6 +20,8 @@ from chart_helpers import (
     REPO,
     by_kind,
     helm,
+    names_field,
+    template_args,
     one,
     profile_commands,
     render,
@@ -27,7 +31,7 @@ from chart_helpers import (
 )
 
 from job import __version__ as job_version
-from job.config import json_schema, load_dict
+from job.config import ConfigError, json_schema, load_dict
 
 PROFILE_COMMANDS = profile_commands()
 # Every combination shown in the profiles' comments, plus the chart's own modes.
@@ -46,6 +50,7 @@ COMBINATIONS = {
     "deletion rules": ["-f", "tests/fixtures/deletion-rules.yaml"],
     "HTTPMode": ["--set", "rayJob.submissionMode=HTTPMode"],
     "SidecarMode": ["--set", "rayJob.submissionMode=SidecarMode"],
+    **{f"ci/{p.name}": ["-f", f"ci/{p.name}"] for p in sorted((REPO / "ci").glob("*-values.yaml"))},
 }
 INVALID_VALUES = sorted((REPO / "tests" / "fixtures" / "invalid-values").glob("*.yaml"))
 SCHEMA = json.loads((REPO / "values.schema.json").read_text())
@@ -88,7 +93,7 @@ def test_every_rendered_object_is_valid(args):
 @pytest.mark.parametrize("values_file", INVALID_VALUES, ids=[p.stem for p in INVALID_VALUES])
 def test_invalid_values_are_rejected_naming_the_field(values_file):
     expected = values_file.read_text().splitlines()[0].removeprefix("# expect: ")
-    assert expected in render_error("-f", str(values_file.relative_to(REPO)))
+    assert names_field(render_error("-f", str(values_file.relative_to(REPO))), expected)
 
 
 def test_invalid_values_table_is_large_enough():
@@ -140,7 +145,7 @@ def test_values_yaml_matches_the_schema():
             compare(sub, schema["properties"][key], f"{path}.{key}")
 
     compare(values, SCHEMA, "values")
-    chart_keys = set(SCHEMA["properties"]) - {"raylib"}
+    chart_keys = set(SCHEMA["properties"]) - {"raylib", "global"}
     assert chart_keys == set(values), f"schema and values.yaml differ: {chart_keys ^ set(values)}"
 
 
@@ -176,15 +181,361 @@ def test_default_run_config_loads_in_the_job():
 
 
 def test_runtime_env_pins_match_requirements():
+    """The stock-image profile installs the job's dependencies as pinned for CI; the default image needs none."""
     pins = {l.split("==")[0]: l for l in (REPO / "requirements.txt").read_text().splitlines() if "==" in l}
-    values = yaml.safe_load((REPO / "values.yaml").read_text())
-    for requirement in values["runtimeEnv"]["pip"]:
+    profile = yaml.safe_load((REPO / "values" / "cpu-smoke.yaml").read_text())
+    for requirement in profile["runtimeEnv"]["pip"]:
         assert pins[requirement.split("==")[0]] == requirement
+    assert "runtimeEnvYAML" not in one(render(), "RayJob")["spec"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The chart rejects at `helm install` what the job rejects at start
+# ---------------------------------------------------------------------------------------------------------------------
+
+DEFAULT_RUN = yaml.safe_load((REPO / "values.yaml").read_text())["run"]
+GPU_CLUSTER = ({}, {"num_workers": 1, "use_gpu": True, "cpus_per_worker": 8})  # values.yaml's one 1-GPU worker
+CPU_CLUSTER = ({"worker": {"gpus": 0, "replicas": 2}}, {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 8})
+REAL_DATA = {
+    "model": {"init": "pretrained", "preset": None, "path": "Qwen/Qwen2.5-1.5B"},
+    "data": {"format": "prompt_completion", "train": "/mnt/runs/gsm8k/train.jsonl",
+             "columns": {"prompt": "question", "completion": "answer"}, "prompt_template": "Q: {prompt}\nA: "},
+    "eval": {"task": "gsm8k"},
+}
+
+
+def helm_merged(base: dict, override: dict) -> dict:
+    """`override` coalesced into `base` as Helm does with values: maps merge, null deletes, the rest replaces."""
+    merged = dict(base)
+    for key, value in override.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = helm_merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def nested(dotted: str, value) -> dict:
+    *parents, leaf = dotted.split(".")
+    node = {leaf: value}
+    for part in reversed(parents):
+        node = {part: node}
+    return node
+
+
+CHART_DERIVED = {"name", "storage_path", "scaling.num_workers", "scaling.use_gpu", "scaling.cpus_per_worker"}
+
+
+def bound_samples():
+    """(name, run override) at both sides of every range the schema states (beyond it also as a string, as
+    `--set` passes numbers), except the fields the chart derives."""
+    def walk(schema, path):
+        for key, field in schema.get("properties", {}).items():
+            if f"{path}{key}" in CHART_DERIVED:
+                continue
+            branches = [b for b in field.get("anyOf", [field]) if "properties" in b]
+            if branches:
+                yield from walk(branches[0], f"{path}{key}.")
+                continue
+            types = field.get("type", [])
+            is_float = "number" in types
+            step = 0.5 if is_float else 1
+            for bound, outside, inside in (("minimum", -step, 0), ("exclusiveMinimum", 0, step),
+                                           ("maximum", step, 0), ("exclusiveMaximum", 0, -step)):
+                if bound in field:
+                    for label, offset in (("outside", outside), ("inside", inside)):
+                        value = (float if is_float else int)(field[bound] + offset)
+                        yield f"{path}{key} {bound} {label}", nested(f"{path}{key}", value)
+                        if is_float and label == "outside":
+                            yield f"{path}{key} {bound} {label} (string)", nested(f"{path}{key}", repr(value))
+
+    yield from walk(json_schema(), "")
+
+
+CROSS_FIELD_SAMPLES = [
+    # (name, run override, cluster)
+    ("defaults", {}, GPU_CLUSTER),
+    ("warmup = steps", {"train": {"warmup_steps": 100}}, GPU_CLUSTER),
+    ("warmup < steps", {"train": {"warmup_steps": 99}}, GPU_CLUSTER),
+    ("lr as a string", {"train": {"lr": "2e-5"}}, GPU_CLUSTER),
+    ("lr not a number", {"train": {"lr": "fast"}}, GPU_CLUSTER),
+    ("betas one value", {"train": {"betas": [0.9]}}, GPU_CLUSTER),
+    ("betas at 1", {"train": {"betas": [0.9, 1.0]}}, GPU_CLUSTER),
+    ("betas as strings", {"train": {"betas": ["0.9", "0.99"]}}, GPU_CLUSTER),
+    ("seq_len not an int", {"train": {"seq_len": "abc"}}, GPU_CLUSTER),
+    ("unknown key", {"train": {"max_step": 5}}, GPU_CLUSTER),
+    ("mode enum", {"mode": "finetune"}, GPU_CLUSTER),
+    ("precision enum", {"parallel": {"mixed_precision": "fp16"}}, GPU_CLUSTER),
+    ("transport enum", {"preflight": {"expect": {"transport": "pigeon"}}}, GPU_CLUSTER),
+    ("preset and path", {"model": {"path": "Qwen/Qwen2.5-1.5B"}}, GPU_CLUSTER),
+    ("pretrained without path", {"model": {"init": "pretrained"}}, GPU_CLUSTER),
+    ("random without architecture", {"model": {"preset": None}}, GPU_CLUSTER),
+    ("sdpa backend with eager", {"model": {"sdpa_backend": "cudnn", "attn_implementation": "eager"}}, GPU_CLUSTER),
+    ("sdpa backend with sdpa", {"model": {"sdpa_backend": "cudnn"}}, GPU_CLUSTER),
+    ("tokenizer and trained vocab", {"model": {"train_tokenizer_vocab": 512, "tokenizer": "t"}}, GPU_CLUSTER),
+    ("synthetic with a source", {"data": {"train": "/x.jsonl"}}, GPU_CLUSTER),
+    ("synthetic with a task", {"eval": {"task": "gsm8k"}}, GPU_CLUSTER),
+    ("synthetic with a sample prompt", {"eval": {"sample_prompt": "Hello"}}, GPU_CLUSTER),
+    ("offload and compile", {"parallel": {"cpu_offload": True, "compile": True}}, GPU_CLUSTER),
+    ("shard group not dividing", {"parallel": {"shard_group_size": 2}}, GPU_CLUSTER),
+    ("shard group dividing", {"parallel": {"shard_group_size": 2}}, CPU_CLUSTER),
+    ("bf16 on CPU", {"parallel": {"mixed_precision": "bf16"}}, CPU_CLUSTER),
+    ("bf16 on GPU", {"parallel": {"mixed_precision": "bf16"}}, GPU_CLUSTER),
+    ("fault after the last step", {"debug": {"fail_at_step": 101}}, GPU_CLUSTER),
+    ("fault at the last step", {"debug": {"fail_at_step": 100}}, GPU_CLUSTER),
+    ("profile after the last step", {"debug": {"profile_step": 101}}, GPU_CLUSTER),
+    ("fault rank beyond the workers", {"debug": {"fail_rank": 1}}, GPU_CLUSTER),
+    ("fault rank within the workers", {"debug": {"fail_rank": 1}}, CPU_CLUSTER),
+    ("resume blank", {"checkpoint": {"resume": " "}}, GPU_CLUSTER),
+    ("resume from a path", {"checkpoint": {"resume": "/mnt/runs/a/checkpoint_00000050"}}, GPU_CLUSTER),
+    ("no message sizes", {"preflight": {"sizes_mib": []}}, GPU_CLUSTER),
+    ("real data", REAL_DATA, GPU_CLUSTER),
+]
+REAL_DATA_VARIANTS = [
+    ("without a source", {"data": {"train": None}}),
+    ("empty source", {"data": {"train": ""}}),
+    ("empty source path", {"data": {"train": {"path": ""}}}),
+    ("hub id with two slashes", {"data": {"train": "hf:a/b/c"}}),
+    ("hub id", {"data": {"train": {"path": "hf:openai/gsm8k", "subset": "main", "revision": "abc"}}}),
+    ("revision of a file", {"data": {"train": {"path": "/x.jsonl", "revision": "abc"}}}),
+    ("subset of a file", {"data": {"train": {"path": "/x.jsonl", "subset": "main"}}}),
+    ("split of a file", {"data": {"train": {"path": "/x.jsonl", "split": "test"}}}),
+    ("builtin text as prompt/completion", {"data": {"train": "builtin:python-docs"}}),
+    ("unknown builtin", {"data": {"train": "builtin:poems"}}),
+    ("builtin text", {"data": {"format": "text", "train": "builtin:python-docs"}, "eval": {"task": None}}),
+    ("task on text", {"data": {"format": "text"}}),
+    ("chat", {"data": {"format": "chat", "chat_template": "{{ messages }}"}}),
+    ("chat template without chat", {"data": {"chat_template": "{{ messages }}"}}),
+    ("task without held-out rows", {"data": {"validation_fraction": 0}}),
+    ("task with a validation source", {"data": {"validation_fraction": 0, "validation": "/v.jsonl"}}),
+    ("validation fraction 1", {"data": {"validation_fraction": 1}}),
+    ("empty column", {"data": {"columns": {"prompt": ""}}}),
+    ("no tokenizer", {"model": {"init": "random", "preset": "qwen2-tiny", "path": None}}),
+    ("trained tokenizer", {"model": {"init": "random", "preset": "qwen2-tiny", "path": None, "train_tokenizer_vocab": 512}}),
+    ("small trained vocabulary", {"model": {"init": "random", "preset": "qwen2-tiny", "path": None, "train_tokenizer_vocab": 259}}),
+    ("synthetic after all", {"data": {"format": "synthetic"}}),
+    *[(f"prompt template {template!r}", {"data": {"prompt_template": template}})
+      for template in ("{0}", "{}", "{prompt", "prompt}", "{a.b}", "{prompt!r}", "{prompt!}", "{prompt:>10}",
+                       "{{literal}} {prompt}", "{{{prompt}}}", "Q: {question} ({answer})")],
+]
+SAMPLES = [
+    *[(name, override, GPU_CLUSTER) for name, override in bound_samples()],
+    *CROSS_FIELD_SAMPLES,
+    *[(f"real data: {name}", helm_merged(REAL_DATA, override), GPU_CLUSTER) for name, override in REAL_DATA_VARIANTS],
+]
+
+
+def job_verdict(override: dict, cluster) -> str:
+    """'' when the job accepts the run config the chart would render, else its error."""
+    _, scaling = cluster
+    run = helm_merged(DEFAULT_RUN, override)
+    run = helm_merged(run, {"name": "exp1", "storage_path": "/mnt/runs", "scaling": scaling})
+    try:
+        load_dict(run)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def chart_verdict(override: dict, cluster, tmp_path) -> str:
+    """'' when `helm template` renders, else its error."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({**cluster[0], "run": override}))
+    result = helm(*template_args(args=("-f", str(values), "--show-only", "templates/configmap-run.yaml")), check=False)
+    return "" if result.returncode == 0 else result.stderr.split("Error: ", 1)[-1]
+
+
+def test_chart_and_job_reject_the_same_run_configs(tmp_path):
+    assert len(SAMPLES) >= 120
+    disagreements, rejected = [], 0
+    for name, override, cluster in SAMPLES:
+        job, chart = job_verdict(override, cluster), chart_verdict(override, cluster, tmp_path)
+        if bool(job) != bool(chart):
+            disagreements.append(f"{name}: job {job or 'accepts'}; chart {chart.strip() or 'accepts'}")
+        elif job:
+            rejected += 1
+            field = re.sub(r"\[\d+\]", "", job.split(":")[0])
+            *parent, leaf = field.split(".")
+            named = (names_field(chart, f"/run/{field.replace('.', '/')}")
+                     or (names_field(chart, f"/run/{'/'.join(parent)}") and leaf in chart))
+            if not named:
+                disagreements.append(f"{name}: the chart's error does not name {field}: {chart.strip()}")
+    assert not disagreements, "\n".join(disagreements)
+    assert rejected > len(SAMPLES) / 3  # the sample exercises the rules, not only valid configs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # What the objects say
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def run_container_script(container: dict, env: dict) -> subprocess.CompletedProcess:
+    """A rendered `python -c` container run here, with its literal env values overridden by `env`."""
+    literal = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    return subprocess.run([sys.executable, "-c", container["args"][0]], env={**os.environ, **literal, **env},
+                          capture_output=True, text=True)
+
+
+def test_staging_copies_once_then_checks_the_data(tmp_path):
+    source = tmp_path / "bucket" / "gsm8k"
+    source.mkdir(parents=True)
+    (source / "train.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    claim = tmp_path / "claim"
+    args = ["-f", "values/gsm8k.yaml", "--set", "run.data.train=/mnt/runs/datasets/gsm8k/train.jsonl",
+            "--set-json", f'staging.copies=[{{"from":"{source}","to":"datasets/gsm8k"}}]']
+    objects = render(*args)
+    (init,) = dict(ray_pod_specs(objects))["head"]["template"]["spec"]["initContainers"]
+    assert init["volumeMounts"] == [{"name": "runs", "mountPath": "/mnt/runs"}]
+    assert [name for name, g in ray_pod_specs(objects) if "initContainers" in g["template"]["spec"]] == ["head"]
+    paths = {"STAGING_ROOT": str(claim), "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/datasets/gsm8k/train.jsonl"})}
+    first = run_container_script(init, paths)
+    assert first.returncode == 0, first.stderr
+    assert (claim / "datasets" / "gsm8k" / "train.jsonl").read_text() == (source / "train.jsonl").read_text()
+    assert "is readable" in first.stdout
+    assert "already copied" in run_container_script(init, paths).stdout
+    missing = run_container_script(init, {**paths, "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/nothing.jsonl"})})
+    assert missing.returncode == 1 and "run.data.train: " in missing.stderr and "does not exist" in missing.stderr
+    # Nothing to copy or check: no init container; a bucket cannot be a copy target.
+    assert "initContainers" not in dict(ray_pod_specs(render()))["head"]["template"]["spec"]
+    assert "staging.copies" in render_error("--set", "storage.uri=s3://b/p", "--set-json", 'staging.copies=[{"from":"/d","to":"d"}]')
+
+
+def test_set_passes_floats_as_numbers():
+    args = ["--set", "run.train.lr=2e-5", "--set", "run.data.validation_fraction=0.1", "--set", "run.train.betas={0.9,0.99}",
+            "--set", "run.logging.peak_flops=1.2e14"]
+    config = run_config(render(*args))
+    assert config["train"]["lr"] == 2e-5 and config["train"]["betas"] == [0.9, 0.99]
+    assert config["logging"]["peak_flops"] == 1.2e14 and config["data"]["validation_fraction"] == 0.1
+    assert load_dict(config).train.lr == 2e-5
+    assert "run.train.min_lr_ratio: must be <= 1, got 1.5" in render_error("--set", "run.train.min_lr_ratio=1.5")
+    assert names_field(render_error("--set", "run.train.lr=fast"), "/run/train/lr")
+
+
+def test_works_as_a_subchart(tmp_path):
+    umbrella = tmp_path / "umbrella"
+    (umbrella / "charts").mkdir(parents=True)
+    shutil.copytree(chart_copy(tmp_path), umbrella / "charts" / "ray-finetune")
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0",
+        "dependencies": [{"name": "ray-finetune", "version": job_version, "repository": "file://charts/ray-finetune"}],
+    }))
+    (umbrella / "values.yaml").write_text(yaml.safe_dump({
+        "global": {"imageRegistry": "registry.example.com"},
+        "ray-finetune": {"run": {"train": {"max_steps": 50}}},
+    }))
+    objects = render(release="team", chart=str(umbrella))
+    assert run_config(objects)["train"]["max_steps"] == 50
+    for obj in objects:
+        validate(obj)
+
+
+def test_worker_groups_replace_the_default_group():
+    names = lambda *args: [name for name, _ in ray_pod_specs(render(*args))]
+    assert names() == ["head", "workers"]
+    assert names("--set", "workerGroups.big.replicas=2") == ["head", "big"]
+    groups = dict(ray_pod_specs(render("--set", "workerGroups.big.replicas=2", "--set", "worker.gpus=2")))
+    assert groups["big"]["replicas"] == 2 and groups["big"]["rayStartParams"]["num-gpus"] == "2"
+    assert run_config(render("--set", "workerGroups.big.replicas=2", "--set", "worker.gpus=2"))["scaling"]["num_workers"] == 4
+    by_group, by_default = (dict(ray_pod_specs(render("--set", arg))) for arg in ("workerGroups.workers.replicas=3", "worker.replicas=3"))
+    assert by_group.keys() == by_default.keys() and by_group["workers"]["replicas"] == by_default["workers"]["replicas"] == 3
+
+
+def test_profile_order_cannot_decide_the_memory_fit():
+    error = render_error("-f", "values/eks-g6-efa.yaml", "-f", "values/synthetic.yaml")
+    assert "hardware.maxTokensPerDevice" in error and "give the hardware profile last" in error
+    render("-f", "values/synthetic.yaml", "-f", "values/eks-g6-efa.yaml")
+
+
+def all_pods(objects):
+    """(role, pod spec) of every pod the objects create: Ray nodes, the submitter, the test pod."""
+    for group, spec in ray_pod_specs(objects):
+        yield group, spec["template"]["spec"]
+    for rayjob in by_kind(objects, "RayJob"):
+        if "submitterPodTemplate" in rayjob["spec"]:
+            yield "submitter", rayjob["spec"]["submitterPodTemplate"]["spec"]
+    for pod in by_kind(objects, "Pod"):
+        yield "test", pod["spec"]
+
+
+def restricted_violations(spec) -> list[str]:
+    """What breaks Pod Security "restricted" (v1.33) in a pod spec."""
+    pod, problems = spec.get("securityContext", {}), []
+    for c in spec["containers"]:
+        context = c.get("securityContext", {})
+        if not context.get("runAsNonRoot", pod.get("runAsNonRoot")):
+            problems.append(f"{c['name']}: runAsNonRoot")
+        if context.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{c['name']}: allowPrivilegeEscalation")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{c['name']}: capabilities {capabilities}")
+        seccomp = context.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{c['name']}: seccompProfile")
+    if any("hostPath" in v for v in spec.get("volumes", [])):
+        problems.append("hostPath volume")
+    return problems
+
+
+def test_security_contexts_per_role():
+    for args in ([], ["-f", "values/eks-g6-efa.yaml"], ["-f", "values/cpu-smoke.yaml"], ["--set", "rayCluster.create=true"]):
+        objects = render(*args)
+        efa = "values/eks-g6-efa.yaml" in args
+        roles = set()
+        for role, spec in all_pods(objects):
+            roles.add(role)
+            container = spec["containers"][0]
+            added = container["securityContext"].get("capabilities", {}).get("add", [])
+            if efa and role not in ("head", "submitter", "test"):
+                assert added == ["IPC_LOCK"], role
+                assert restricted_violations(spec) == [f"{container['name']}: capabilities {container['securityContext']['capabilities']}"]
+            else:
+                assert restricted_violations(spec) == [], (args, role)
+            assert container["securityContext"].get("readOnlyRootFilesystem", False) is (role == "test")
+        assert {"head", "test"} <= roles
+    head = dict(all_pods(render("--set", "head.securityContext.readOnlyRootFilesystem=true")))["head"]
+    assert head["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_ray_endpoints_are_closed_and_authenticated():
+    objects = render()
+    policy = one(objects, "NetworkPolicy")
+    selector = {"app.kubernetes.io/name": "ray-finetune", "app.kubernetes.io/instance": "exp1"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == selector and policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": selector}},
+                            {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}]
+    # Every pod of the release carries the selected labels, so each reaches the others.
+    pod_labels = [g["template"]["metadata"]["labels"] for _, g in ray_pod_specs(objects)]
+    pod_labels += [one(objects, "RayJob")["spec"]["submitterPodTemplate"]["metadata"]["labels"], one(objects, "Pod")["metadata"]["labels"]]
+    assert all(selector.items() <= labels.items() for labels in pod_labels)
+    assert one(objects, "RayJob")["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
+    extra = render("--set", "networkPolicy.extraFrom[0].namespaceSelector.matchLabels.team=ml")
+    assert one(extra, "NetworkPolicy")["spec"]["ingress"][0]["from"][-1] == {"namespaceSelector": {"matchLabels": {"team": "ml"}}}
+    off = render("--set", "networkPolicy.enabled=false", "--set", "rayAuth=false")
+    assert not by_kind(off, "NetworkPolicy") and "authOptions" not in one(off, "RayJob")["spec"]["rayClusterSpec"]
+
+
+def test_common_labels_annotations_and_namespace_on_every_object():
+    args = ["--set", "commonLabels.team=ml", "--set", "commonAnnotations.owner=ml-platform", "--set", "rayCluster.create=true",
+            "--set", "rayCluster.podDisruptionBudget=true", "--set", "podLabels.cost-center=ml-42"]
+    objects = render(*args)
+    assert {o["kind"] for o in objects} >= {"RayJob", "RayCluster", "PodDisruptionBudget", "NetworkPolicy", "PersistentVolumeClaim"}
+    for obj in objects:
+        validate(obj)
+        meta = obj["metadata"]
+        assert meta["namespace"] == "experiments", obj["kind"]
+        assert meta["labels"]["team"] == "ml" and meta["annotations"]["owner"] == "ml-platform", obj["kind"]
+    pod_metadata = [g["template"]["metadata"] for _, g in ray_pod_specs(objects)]
+    pod_metadata += [o["spec"]["submitterPodTemplate"]["metadata"] for o in by_kind(objects, "RayJob")]
+    pod_metadata += [o["metadata"] for o in by_kind(objects, "Pod")]
+    for meta in pod_metadata:
+        assert meta["labels"]["team"] == "ml" and meta["labels"]["cost-center"] == "ml-42"
+        assert meta["annotations"]["owner"] == "ml-platform"
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": {"ray.io/cluster": one(objects, "RayCluster")["metadata"]["name"]}}}
 
 
 def test_run_config_is_derived_from_release_storage_and_worker_groups():
@@ -216,7 +567,7 @@ def test_one_pod_template_for_head_and_workers():
 
 def test_ray_pods_get_the_job_environment_and_mounts():
     objects = render("--set", "huggingface.existingSecret=hf", "--set", "image.digest=sha256:" + "b" * 64)
-    expected_image = "rayproject/ray@sha256:" + "b" * 64
+    expected_image = "public.ecr.aws/deep-learning-containers/ray@sha256:" + "b" * 64
     for _, group in ray_pod_specs(objects):
         spec = group["template"]["spec"]
         container = spec["containers"][0]
@@ -258,10 +609,15 @@ def test_num_gpus_follows_the_gpu_request():
 
 
 def test_efa_switch_sets_the_nccl_environment():
-    for args, expected in ((["-f", "values/eks-g6-efa.yaml"], True), ([], False)):
+    efa_env = ["--set", "efa.env.FI_PROVIDER=efa", "--set", "efa.env.NCCL_DEBUG=INFO"]
+    for args, expected in (([*efa_env, "-f", "values/eks-g6-efa.yaml"], True), (efa_env, False)):
         for _, group in ray_pod_specs(render(*args)):
-            env = {e["name"] for e in group["template"]["spec"]["containers"][0]["env"]}
-            assert ({"FI_PROVIDER", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG"} <= env) is expected
+            env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+            assert (env.get("FI_PROVIDER") == "efa" and env.get("NCCL_DEBUG") == "INFO") is expected
+    # The default image sets them itself: the hardware profile adds none.
+    for _, group in ray_pod_specs(render("-f", "values/eks-g6-efa.yaml")):
+        env = {e["name"] for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert not env & {"FI_PROVIDER", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME"}
 
 
 def test_checksums_follow_run_config_and_code():
@@ -270,13 +626,13 @@ def test_checksums_follow_run_config_and_code():
         return head["template"]["metadata"]["annotations"]
 
     base = annotations()
-    changed = annotations("--set", "run.train.max_steps=7")
+    changed = annotations("--set", "run.train.max_steps=70")
     assert changed["checksum/config"] != base["checksum/config"]
     assert changed["checksum/job"] == base["checksum/job"]
 
 
 def test_rayjob_name_changes_with_content_not_run_name():
-    base, changed = render(), render("--set", "run.train.max_steps=7")
+    base, changed = render(), render("--set", "run.train.max_steps=70")
     assert one(base, "RayJob")["metadata"]["name"] != one(changed, "RayJob")["metadata"]["name"]
     assert run_config(base)["name"] == run_config(changed)["name"] == "exp1"
     assert one(base, "RayJob")["metadata"]["name"] == one(render(), "RayJob")["metadata"]["name"]
@@ -317,18 +673,54 @@ def test_role_is_least_privilege():
     ]
 
 
+def notes(*args: str) -> str:
+    if helm("version", "--template", "{{.Version}}").stdout.startswith("v3."):
+        pytest.skip("helm v3's install --dry-run=client still needs a cluster: NOTES.txt is checked with helm v4")
+    out = helm("install", "exp1", ".", "--dry-run=client", "--namespace", "experiments", *args).stdout
+    return out[out.index("NOTES:"):]
+
+
 def test_notes_give_commands_for_this_release():
-    notes = helm("install", "exp1", ".", "--dry-run=client", "--namespace", "experiments").stdout
-    notes = notes[notes.index("NOTES:"):]
+    text = notes()
     rayjob = one(render(), "RayJob")["metadata"]["name"]
     for command in (f"kubectl -n experiments get rayjob {rayjob} -w", f"kubectl -n experiments logs -f job/{rayjob}",
-                    "helm test exp1 -n experiments --logs", "/mnt/runs/exp1/metrics.jsonl"):
-        assert command in notes
+                    "helm test exp1 -n experiments --logs", "/mnt/runs/exp1/metrics.jsonl",
+                    "kubectl -n experiments cp exp1-copy:/mnt/runs/exp1 ./exp1", "python -m job report ./exp1",
+                    "-o jsonpath='{.data.auth_token}' | base64 -d"):
+        assert command in text
+    assert "aws s3 cp --recursive s3://b/p/exp1 ./exp1" in notes("--set", "storage.uri=s3://b/p")
+
+
+def test_notes_say_what_pods_install_and_warn_about_tags():
+    image = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+    text = notes()
+    assert "installs" not in text
+    assert f"crane digest {image}" in text and f"docker buildx imagetools inspect {image}" in text
+    assert "WARNING" not in notes("--set", "image.digest=sha256:" + "c" * 64)
+    smoke = notes("-f", "values/cpu-smoke.yaml")
+    listed = smoke[smoke.index("each Ray pod installs"):].splitlines()[1:5]
+    assert [line.strip() for line in listed] == yaml.safe_load((REPO / "values/cpu-smoke.yaml").read_text())["runtimeEnv"]["pip"]
+    assert "s3fs==2026.4.0" in notes("--set", "runtimeEnv.pip.packages={s3fs==2026.4.0}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Packaging
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_values_reference_is_generated_from_values_yaml():
+    subprocess.run([sys.executable, "scripts/gen-chart-readme.py", "--check"], cwd=REPO, check=True)
+    reference = (REPO / "docs" / "values.md").read_text()
+    for key in ("image.digest", "worker.gpus", "networkPolicy.enabled", "staging.copies", "run"):
+        assert f"| {key} |" in reference
+
+
+def test_chart_metadata_is_publishable():
+    chart = yaml.safe_load((REPO / "Chart.yaml").read_text())
+    images = yaml.safe_load(chart["annotations"]["artifacthub.io/images"])
+    values = yaml.safe_load((REPO / "values.yaml").read_text())
+    assert images[0]["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
+    assert all({"kind", "description"} <= set(c) for c in yaml.safe_load(chart["annotations"]["artifacthub.io/changes"]))
 
 
 def test_chart_version_tracks_the_job_package():
@@ -363,7 +755,15 @@ def test_package_contains_the_job_and_renders_the_same(tmp_path):
         names = set(tar.getnames())
     job_files = {f"ray-finetune/job/{p.name}" for p in (REPO / "job").iterdir() if p.is_file() and p.suffix in (".py", ".json")}
     assert job_files <= names
-    assert "ray-finetune/charts/raylib/templates/_raycluster.tpl" in names
+    assert "ray-finetune/charts/raylib/templates/_ray-pod-template.tpl" in names
     assert not any(n.startswith(("ray-finetune/tests/", "ray-finetune/.tools/", "ray-finetune/.venv/")) for n in names)
     args = ("-f", "values/cpu-smoke.yaml")
     assert render(*args, chart=str(package)) == render(*args)
+    # Every relative link in the packaged Markdown points into the package.
+    with tarfile.open(package) as tar:
+        for member in (m for m in tar.getmembers() if m.name.endswith(".md")):
+            text = tar.extractfile(member).read().decode()
+            for link in re.findall(r"\]\(([^)#\s]+)", text):
+                if "://" not in link:
+                    target = posixpath.normpath(posixpath.join(posixpath.dirname(member.name), link))
+                    assert target in names, f"{member.name} links {link}, not in the package"

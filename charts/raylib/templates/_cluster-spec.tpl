@@ -3,6 +3,7 @@ raylib renders KubeRay ray.io/v1 objects from a plain "cluster description", so 
 describes its cluster in its own values and shares one pod template:
 
   rayVersion: "2.60.0"
+  authOptions: {}               # RayClusterSpec authOptions, e.g. {mode: token}; omitted when empty
   pod:                          # shared by every Ray pod (head and workers)
     image: repo:tag             # or repo@sha256:...
     imagePullPolicy: IfNotPresent
@@ -16,7 +17,6 @@ describes its cluster in its own values and shares one pod template:
     volumeMounts: []
     shmSizeLimit: 8Gi           # memory-backed /dev/shm of this size
     podSecurityContext: {}
-    securityContext: {}         # of the Ray container
   head: <group>
   workerGroups:                 # map: group name -> <group> plus `replicas`
     workers: <group>
@@ -34,14 +34,20 @@ describes its cluster in its own values and shares one pod template:
     tolerations: []
     affinity: {}
     priorityClassName: ""
+    securityContext: {}         # of the group's Ray container
+    initContainers: []          # core/v1 Containers run before Ray starts
 
-Callers build the description (usually as YAML, then `fromYaml`) and include "raylib.clusterSpec".
+The pod template itself is in _ray-pod-template.tpl. Callers build the description (usually as YAML, then `fromYaml`) and include "raylib.clusterSpec".
 */}}
 
 {{/* RayClusterSpec: fixed-size head and worker groups (no autoscaler), all from raylib.podTemplate. */}}
 {{- define "raylib.clusterSpec" -}}
 rayVersion: {{ .rayVersion | quote }}
 enableInTreeAutoscaling: false
+{{- with .authOptions }}
+authOptions:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 headGroupSpec:
   rayStartParams:
     {{- include "raylib.rayStartParams" .head | nindent 4 }}
@@ -71,94 +77,4 @@ workerGroupSpecs:
 {{- $_ := set $params $key (toString $value) }}
 {{- end }}
 {{- toYaml $params }}
-{{- end }}
-
-{{/* The one Ray pod template. Input: dict "pod" <pod> "group" <group> "containerName" <name>. */}}
-{{- define "raylib.podTemplate" -}}
-{{- $pod := .pod -}}
-{{- $group := .group -}}
-metadata:
-  labels:
-    {{- toYaml (merge (deepCopy ($group.labels | default dict)) ($pod.labels | default dict)) | nindent 4 }}
-  {{- with $pod.annotations }}
-  annotations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-spec:
-  {{- with $pod.serviceAccountName }}
-  serviceAccountName: {{ . }}
-  {{- end }}
-  {{- with $pod.imagePullSecrets }}
-  imagePullSecrets:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $group.priorityClassName }}
-  priorityClassName: {{ . }}
-  {{- end }}
-  {{- with $group.nodeSelector }}
-  nodeSelector:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $group.tolerations }}
-  tolerations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $group.affinity }}
-  affinity:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $pod.podSecurityContext }}
-  securityContext:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  containers:
-    - name: {{ .containerName }}
-      image: {{ $pod.image }}
-      {{- with $pod.imagePullPolicy }}
-      imagePullPolicy: {{ . }}
-      {{- end }}
-      {{- with concat ($pod.env | default list) ($group.env | default list) }}
-      env:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $pod.envFrom }}
-      envFrom:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      resources:
-        {{- $resources := include "raylib.resources" $group | fromYaml }}
-        requests:
-          {{- toYaml $resources | nindent 10 }}
-        limits:
-          {{- toYaml $resources | nindent 10 }}
-      {{- with $pod.securityContext }}
-      securityContext:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      volumeMounts:
-        - name: dshm
-          mountPath: /dev/shm
-        {{- with $pod.volumeMounts }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-  volumes:
-    - name: dshm
-      emptyDir:
-        medium: Memory
-        sizeLimit: {{ $pod.shmSizeLimit }}
-    {{- with $pod.volumes }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-{{- end }}
-
-{{/* Resource quantities of a group's Ray container (used as both requests and limits). */}}
-{{- define "raylib.resources" -}}
-{{- $resources := dict "cpu" (toString .cpu) "memory" (toString .memory) -}}
-{{- if gt (int (.gpus | default 0)) 0 -}}
-{{- $_ := set $resources "nvidia.com/gpu" (int .gpus) -}}
-{{- end -}}
-{{- range $name, $quantity := .extendedResources | default dict -}}
-{{- $_ := set $resources $name $quantity -}}
-{{- end -}}
-{{- toYaml $resources -}}
 {{- end }}
