@@ -95,8 +95,8 @@ def _tiny_lm(vocab: int, seed: int = 0):
 
 
 def test_stopping_at_eos_generates_what_full_length_generation_cut_at_eos_does():
-    """The fast path (stop a batch once every row has produced EOS) against the previous one (always generate
-    `max_new_tokens`, cut at EOS afterwards): token for token the same continuation, for every row."""
+    """The fast path (static cache, stop a batch once every row has produced EOS) against the previous one
+    (dynamic cache, always `max_new_tokens`, cut at EOS afterwards): the same continuation, token for token."""
     from job import data as D
 
     tok = D.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: 7"] * 20, 300)
@@ -104,7 +104,7 @@ def test_stopping_at_eos_generates_what_full_length_generation_cut_at_eos_does()
     prompts = tok([f"Question: {i} + {i}?\nAnswer: " for i in range(6)], add_special_tokens=False)["input_ids"]
     ids, mask = E.left_pad(prompts, E.pad_id(tok))
     width = ids.shape[1]
-    full = E.greedy_generate(lm, ids, mask, 40, eos_token_id=None, pad_token_id=E.pad_id(tok))
+    full = E.greedy_generate(lm, ids, mask, 40, eos_token_id=None, pad_token_id=E.pad_id(tok), cache="dynamic")
     # As EOS, a generated token that rows reach at different steps (or never), so the early stop is exercised.
     new = [row[width:].tolist() for row in full]
     first = {t: tuple(r.index(t) if t in r else None for r in new) for t in {t for r in new for t in r}}
