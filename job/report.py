@@ -126,10 +126,77 @@ def plot_metrics(rows: list[dict], out_dir: str) -> list[str]:
         ax.set_title("Model FLOPs utilisation")
         ax.grid(alpha=0.3)
         save(fig, "mfu.png")
+
+    tasks = sorted((r for r in rows if r.get("kind") == "task_eval"), key=lambda r: r["step"])
+    if tasks:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in tasks], [100 * r["exact_match"] for r in tasks], "o-")
+        ax.set_xlabel("step")
+        ax.set_ylabel("exact match (%)")
+        ax.set_title(f"Task score ({tasks[-1]['task']}, n={tasks[-1]['n']})")
+        ax.grid(alpha=0.3)
+        save(fig, "task.png")
+
+    time_rows = [r for r in rows if r.get("kind") == "time"]
+    if time_rows:
+        phases = time_rows[-1]["phases_s"]
+        fig, ax = plt.subplots(figsize=(8, 3))
+        left = 0.0
+        for name, seconds in phases.items():
+            if seconds > 0:
+                ax.barh([0], [seconds], left=left, label=f"{name} {seconds:.0f} s")
+                left += seconds
+        ax.set_yticks([])
+        ax.set_xlabel("seconds since the driver started")
+        ax.set_title(f"Where the wall time went (goodput {time_rows[-1]['goodput']:.0%})")
+        ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.6))
+        save(fig, "time.png")
     return written
 
 
-def render_markdown(record: dict | None, summary: dict, plots: list[str], notes: list[str]) -> str:
+def before_after(rows: list[dict], n_examples: int = 3) -> list[str]:
+    """Markdown: held-out loss, perplexity and task score before training and at the end, and a few generations
+    of the same questions side by side."""
+    evals = sorted((r for r in rows if r.get("kind") == "eval"), key=lambda r: r["step"])
+    tasks = sorted((r for r in rows if r.get("kind") == "task_eval"), key=lambda r: r["step"])
+    if not evals and not tasks:
+        return []
+    first_step = min(r["step"] for r in evals + tasks)
+    last_step = max(r["step"] for r in evals + tasks)
+    at = lambda items, step: next((r for r in items if r["step"] == step), {})  # noqa: E731
+    lines = ["## Before and after", "", f"| | step {first_step} | step {last_step} |", "|---|---|---|"]
+    for label, items, key in (("held-out loss", evals, "eval_loss"), ("held-out perplexity", evals, "eval_ppl"),
+                              ("exact match", tasks, "exact_match")):
+        if items:
+            lines.append(f"| {label} | {_fmt(at(items, first_step).get(key))} | {_fmt(at(items, last_step).get(key))} |")
+    if tasks:
+        lines.append(f"| task examples scored | {_fmt(at(tasks, first_step).get('n'))} | {_fmt(at(tasks, last_step).get('n'))} |")
+        before = {x["question"]: x for x in at(tasks, first_step).get("examples", [])}
+        pairs = [(before[x["question"]], x) for x in at(tasks, last_step).get("examples", []) if x["question"] in before]
+        if pairs and first_step != last_step:
+            lines += ["", "| question | expected | before | after |", "|---|---|---|---|"]
+            flat = lambda t: " ".join(str(t).split()).replace("|", "\\|")  # noqa: E731
+            cell = lambda t: flat(t)[-160:]  # noqa: E731  (the end of a solution holds its answer)
+            for b, a in pairs[:n_examples]:
+                lines.append(f"| {flat(a['question'])[:160]} | {a['expected']} | {'✓' if b['correct'] else '✗'} {cell(b['got'])} "
+                             f"| {'✓' if a['correct'] else '✗'} {cell(a['got'])} |")
+    return lines + [""]
+
+
+def time_table(time: dict | None) -> list[str]:
+    """Markdown: seconds and share of the wall time per phase, and the goodput (run.json `time`)."""
+    if not time:
+        return []
+    wall = time["wall_s"] or 1.0
+    lines = ["## Where the time went", "", "| phase | seconds | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.1f} | {v / wall:.1%} |" for k, v in time["phases_s"].items()]
+    blocking = ", ".join(f"{s:.2f}" for s in time.get("checkpoint_blocking_s") or []) or "-"
+    return lines + [f"| **wall** | {time['wall_s']:.1f} | goodput **{_pct(time['goodput'])}** |", "",
+                    f"Training held up per checkpoint save (s): {blocking}.", ""]
+
+
+def render_markdown(record: dict | None, summary: dict, plots: list[str], notes: list[str],
+                    metric_rows: list[dict] = ()) -> str:
     """The text of report.md."""
     rec = record or {}
     name = rec.get("run_name") or "(no run.json)"
@@ -197,15 +264,8 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
               f"| MFU | {_pct(m.get('mfu'))} |",
               f"| peak memory (GiB) | {_fmt(m.get('peak_mem_gib'))} |",
               "", "Throughput and MFU: medians over the second half of the train steps.", ""]
-    tasks = m.get("task_eval") or {}
-    if tasks:
-        lines += ["## Task evaluation", "", "| task | step | exact match | n |", "|---|---|---|---|"]
-        lines += [f"| {t} | {_fmt(v.get('step'))} | {_fmt(v.get('exact_match'))} | {_fmt(v.get('n'))} |"
-                  for t, v in tasks.items()]
-        lines.append("")
-    if rec.get("evaluation"):
-        lines += ["## Evaluation (from the run record)", "", "```json",
-                  json.dumps(rec["evaluation"], indent=2, default=str), "```", ""]
+    lines += before_after(list(metric_rows))
+    lines += time_table(rec.get("time"))
     outputs = [("checkpoints", rec.get("checkpoints")), ("export", rec.get("export"))]
     if any(v for _, v in outputs):
         lines += ["## Outputs", ""] + [f"- {k}: {json.dumps(v, default=str)}" for k, v in outputs if v] + [""]
@@ -264,6 +324,6 @@ def main(argv: list[str]) -> int:
             print(f"report: {exc}", file=sys.stderr)
             status = 1
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
-        f.write(render_markdown(record, summary, plots, notes))
+        f.write(render_markdown(record, summary, plots, notes, rows))
     print(f"report: wrote {os.path.join(out, 'report.md')}" + (f" and {', '.join(plots)}" if plots else ""))
     return status
