@@ -243,6 +243,8 @@ class Checkpointer:
         rng = _torch_bytes(_rng_state())
         self.arch = _arch(model.lm.config)
         self.pending = (step, uri, self.executor.submit(self._write, staged, uri, rng, rank))
+        if not self.cfg.checkpoint.async_save:
+            self.finish()
 
     def _write(self, staged: dict, uri: str, rng: bytes, rank: int) -> float:
         import torch.distributed.checkpoint as dcp

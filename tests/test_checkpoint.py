@@ -35,6 +35,9 @@ def _config(tmp_path: Path, name: str, **sections) -> config_lib.RunConfig:
     raw["logging"] = {"every_steps": 1}
     raw.setdefault("checkpoint", {}).setdefault("every_steps", EVERY)
     raw["checkpoint"].setdefault("export", False)
+    # Synchronous saves: each checkpoint is complete before training goes on, so where a run resumes is exact;
+    # the asynchronous path has its own drill below (and in test_pretrained.py).
+    raw["checkpoint"].setdefault("async_save", False)
     return config_lib.load_dict(raw)
 
 
@@ -133,6 +136,18 @@ def test_fault_injection_recovers_in_run(reference, tmp_path):
     (resume,) = _records(run_dir, "resume")
     assert resume["step"] == 4 and resume["data_exact"]
     assert os.path.exists(f"{run_dir}/faults/step7-rank1")
+    _assert_same_training(run_dir, reference)
+
+
+def test_worker_killed_during_an_async_write_resumes_from_the_previous_checkpoint(reference, tmp_path):
+    """With asynchronous saves, the save of step 8 cannot be complete when rank 1 dies at the start of step 9 (it
+    completes at a later log step once written, or at the next save; step 8's log ran before it), while the one of
+    step 4 was completed before step 8's save began."""
+    cfg = _config(tmp_path, "async", scaling={"num_workers": 2, "max_failures": 1},
+                  checkpoint={"async_save": True}, debug={"fail_at_step": 9, "fail_rank": 1})
+    run_dir = _run(cfg)
+    (resume,) = _records(run_dir, "resume")
+    assert resume["step"] == 4 and resume["data_exact"]
     _assert_same_training(run_dir, reference)
 
 
