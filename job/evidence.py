@@ -426,7 +426,8 @@ def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_
     Returns ``{"image": [...], "packages": [...], "config": [...], "data": [...],
     "hardware": [...], "results": [...]}``, each a list of ``(key, value_in_a, value_in_b)``.
     Package keys are distribution names (``None`` = not installed on that side); config and
-    data keys are dotted paths. ``results`` is informational (losses, throughput, MFU) and
+    data keys are dotted paths (the weights' fingerprint counts as data). ``results`` is informational (losses,
+    throughput, MFU, goodput and seconds per phase) and
     never makes environments differ; hostnames, times and bandwidth figures are not compared.
     """
     img_a, img_b = a.get("image") or {}, b.get("image") or {}
@@ -453,10 +454,18 @@ def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_
         d = record.get("data") or {}
         flat = _flatten(d.get("fingerprint") or {})
         flat["(tokenizer_sha256)"] = d.get("tokenizer_sha256")
+        weights = {k: v for k, v in (record.get("weights") or {}).items() if k != "provenance"}
+        flat.update({f"(weights).{k}": v for k, v in _flatten(weights).items()})
         return flat
+
+    def timing(record):
+        t = record.get("time") or {}
+        return {"goodput": t.get("goodput"), "wall_s": t.get("wall_s"),
+                **{f"time.{k}": v for k, v in (t.get("phases_s") or {}).items()}}
 
     ma, mb = a.get("metrics") or {}, b.get("metrics") or {}
     results = [(k, ma.get(k), mb.get(k)) for k in _RESULT_KEYS if ma.get(k) != mb.get(k)]
+    results += _diff(timing(a), timing(b))
     if a.get("status") != b.get("status"):
         results.insert(0, ("status", a.get("status"), b.get("status")))
     return {
