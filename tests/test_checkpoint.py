@@ -94,6 +94,7 @@ def test_reference_run_layout(reference):
     assert not _records(reference, "resume")
 
 
+@pytest.mark.image_set
 def test_sigkill_worker_resumes_exactly(reference, tmp_path):
     """A worker process SIGKILLed from outside mid-run: Ray restarts the group from the latest checkpoint."""
     cfg = _config(tmp_path, "killed", scaling={"num_workers": 2, "max_failures": 1})
@@ -136,6 +137,7 @@ def test_fault_injection_recovers_in_run(reference, tmp_path):
     _assert_same_training(run_dir, reference)
 
 
+@pytest.mark.image_set
 def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     """No retries left: the job fails; re-running it (a retried RayJob, a restarted driver) continues it."""
     cfg = _config(tmp_path, "retried", debug={"fail_at_step": 10, "fail_rank": 0})
@@ -178,6 +180,7 @@ def test_resume_two_workers_onto_one(reference, tmp_path):
         assert losses[step] == pytest.approx(expected[step], abs=1e-4), f"step {step}"
 
 
+@pytest.mark.image_set
 def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
