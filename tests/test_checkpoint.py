@@ -7,7 +7,6 @@ be recomputed.
 """
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -297,13 +296,9 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     assert torch.equal(torch.get_rng_state(), rng), "RNG state restored from the checkpoint"
 
 
-def test_config_switches():
+def test_fault_injection_settings_are_checked():
     base = tiny_run_config(Path("/tmp"))
     with pytest.raises(config_lib.ConfigError, match="debug.fail_rank"):
         config_lib.load_dict({**base, "debug": {"fail_at_step": 3, "fail_rank": 2}})
     with pytest.raises(config_lib.ConfigError, match="debug.fail_at_step"):
         config_lib.load_dict({**base, "debug": {"fail_at_step": 999}})
-    props = config_lib.json_schema()["properties"]
-    assert {"fail_at_step", "fail_rank"} <= set(props["debug"]["properties"])
-    assert {"every_steps", "keep_last", "resume", "export", "export_tolerance"} <= set(props["checkpoint"]["properties"])
-    assert math.isclose(config_lib.load_dict(base).checkpoint.export_tolerance, 0.01)

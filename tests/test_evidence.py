@@ -9,9 +9,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import jsonschema
 import pytest
@@ -145,20 +143,6 @@ def test_bus_bandwidth_factors():
 
 # --- Preflight on gloo, in real processes --------------------------------------------------------
 
-@dataclass
-class Expect:
-    transport: Optional[str] = None
-    min_busbw_gbps: Optional[float] = None
-
-
-@dataclass
-class Preflight:
-    sizes_mib: list = field(default_factory=lambda: [1])
-    iters: int = 3
-    warmup: int = 1
-    expect: Expect = field(default_factory=Expect)
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -173,17 +157,19 @@ def _preflight_worker(rank, world, port, out_dir, hostnames, bad_expect):
     import torch.distributed as dist
 
     from job import preflight
+    from job.config import ExpectConfig, PreflightConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     out = {}
     try:
         host = hostnames[rank] if hostnames else None
-        result = preflight.run_preflight(Preflight(), torch.device("cpu"), hostname=host)
+        result = preflight.run_preflight(PreflightConfig(sizes_mib=[1], iters=3, warmup=1), torch.device("cpu"),
+                                         hostname=host)
         out["result"] = result
         try:
-            preflight.run_preflight(Preflight(sizes_mib=[0.25], iters=1, warmup=0, expect=Expect(**bad_expect)),
-                             torch.device("cpu"), hostname=host)
+            preflight.run_preflight(PreflightConfig(sizes_mib=[1], iters=1, warmup=0, expect=ExpectConfig(**bad_expect)),
+                                    torch.device("cpu"), hostname=host)
             out["error"] = None
         except preflight.PreflightError as exc:
             out["error"] = str(exc)
