@@ -6,7 +6,7 @@
     python -m job accept EXPORT_DIR                                re-check an exported model (fresh process)
     python -m job schema                                           JSON Schema of the run config
 
-`run` parses the config (errors name the field and exit 2), prints the resolved config, prepares the run
+`run` parses the config (errors name the field and exit 2, as does a missing optional package), prints the resolved config, prepares the run
 directory, trains under Ray Train (or under torchrun when started by it), and says where the run is; a
 failed run exits 1 with the workers' error.
 """
@@ -20,7 +20,7 @@ import sys
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
-from . import launch
+from . import launch, packages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
-    except config_lib.ConfigError as e:
+        packages.check_config(cfg)  # a missing optional package fails here, on the driver, before any worker starts
+    except (config_lib.ConfigError, packages.MissingPackage) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     run_dir = launch.run_directory(cfg)

@@ -2,7 +2,8 @@
 
 Sources (`data.train`, `data.validation`) are local or mounted files and directories (JSONL/JSON, Parquet, CSV,
 plain text), fsspec URIs (`s3://…`) and hub datasets (`hf:owner/name` with a revision). JSON lines and CSV are
-read line by line here so a bad row is reported as `file:line`; Parquet and hub datasets go through `datasets`.
+read line by line here so a bad row is reported as `file:line`; Parquet through pyarrow, hub datasets through
+`datasets` (optional: see `packages`).
 Every source is fingerprinted (file sha256 or hub commit, rows read/kept/skipped).
 
 Each format turns a row into an example, and an example into token ids with a per-token loss mask:
@@ -33,6 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import packages, storage
 from .config import DataConfig, SourceConfig, TrainConfig
 
 IGNORE_INDEX = -100
@@ -93,10 +95,6 @@ class BadRow:
     reason: str
 
 
-def _is_hub(path: str) -> bool:
-    return path.startswith("hf:") and not path.startswith("hf://")
-
-
 def load_source(src: SourceConfig, key: str, max_rows: int = 0) -> Rows:
     """Reads every row of a source (`key` is its config path, e.g. `data.train`, used in messages).
 
@@ -108,7 +106,7 @@ def load_source(src: SourceConfig, key: str, max_rows: int = 0) -> Rows:
 
         docs = [(f"builtin:python-docs:{name}", topics.topics[name]) for name in sorted(topics.topics)]
         return _limit(Rows(docs, {"source": src.path, "python": sys.version.split()[0], "sha256": _hash_texts(docs)}), max_rows)
-    if _is_hub(src.path):
+    if packages.is_hub_source(src.path):
         return _limit(_load_hub(src, key, max_rows), max_rows)
     return _limit(_load_files(src.path, key, max_rows), max_rows)
 
@@ -129,12 +127,12 @@ def _hash_texts(items: list[tuple[str, str]]) -> str:
 
 
 def _load_files(path: str, key: str, max_rows: int) -> Rows:
-    import fsspec
-
     try:
-        fs, fs_path = fsspec.core.url_to_fs(path)
+        fs, fs_path = storage.filesystem(path, key)
         exists = fs.exists(fs_path)
-    except Exception as e:  # unknown protocol, missing s3fs, bad credentials, unreachable endpoint
+    except packages.MissingPackage:
+        raise
+    except Exception as e:  # unknown protocol, bad credentials, unreachable endpoint
         raise DataError(f"{key}: cannot open {path}: {type(e).__name__}: {e}") from None
     if not exists:
         raise DataError(f"{key}: source not found: {path}")
@@ -198,20 +196,18 @@ def _parse_file(name: str, raw: bytes, key: str) -> list[tuple[str, Any]]:
 
 
 def _parse_parquet(name: str, raw: bytes, key: str) -> list[tuple[str, Any]]:
-    import datasets
-    import pyarrow as pa
+    import pyarrow as pa  # a dependency of ray[train]: Parquet needs no optional package
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(pa.BufferReader(raw))
     except Exception as e:
         raise DataError(f"{key}: {name}: not a readable Parquet file: {e}") from None
-    ds = datasets.Dataset(table)
-    return [(f"{name}:row {i}", row) for i, row in enumerate(ds)]
+    return [(f"{name}:row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
 def _load_hub(src: SourceConfig, key: str, max_rows: int) -> Rows:
-    import datasets
+    datasets = packages.require("datasets", f"{key}: hub dataset {src.path}")
     from huggingface_hub import constants
 
     repo = src.path[len("hf:"):]

@@ -32,8 +32,7 @@ How the training loop uses the three modules (every worker runs ``train_loop``):
 
     # (rank 0 only) right after preflight
     record = evidence.start_record(run_dir, config=cfg_dict, config_text=cfg_yaml,
-                                   run_name=name, seed=cfg.seed, preflight=pre,
-                                   runtime_env=runtime_env_additions)
+                                   run_name=name, seed=cfg.seed, preflight=pre)
     # (rank 0 only) once the data and tokenizer are built
     evidence.update_record(run_dir, record, dataset=fingerprint, tokenizer_sha256=tok_hash)
     # (rank 0 only) at the very end, or in the except branch with status="failed"
@@ -158,8 +157,23 @@ def _transport_section(workers: list[dict]) -> dict:
             "evidence": (workers[0].get("transport") or {}).get("lines", []) if workers else []}
 
 
+def _runtime_env_section(workers: list[dict]) -> dict:
+    """The Ray runtime env of the job and what it installed at start, from every worker's inventory
+    (:func:`preflight.runtime_env_additions`; each worker's own is kept in its ``environment``)."""
+    reports = [w["environment"].get("runtime_env") or {} for w in workers]
+    first = reports[0]
+    return {
+        "requested": first.get("requested", {}),
+        "requirements": first.get("requirements", []),
+        "installed_at_start": any(r.get("installed_at_start") for r in reports),
+        "packages": {name: p["version"] for name, p in (first.get("packages") or {}).items()},
+        "installed_on_ranks": [w["rank"] for w, r in zip(workers, reports) if r.get("installed_at_start")],
+        "workers_agree": all(r.get("packages") == first.get("packages") for r in reports),
+    }
+
+
 def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str | None = None,
-                 seed: int | None = None, preflight: dict | None = None, runtime_env: dict | None = None,
+                 seed: int | None = None, preflight: dict | None = None,
                  dataset: dict | None = None, tokenizer_sha256: str | None = None,
                  pods: list[dict] | None = None, env: Mapping[str, str] | None = None) -> dict:
     """Create ``<run_dir>/run.json`` with status ``running``; return the record dict.
@@ -174,7 +188,6 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
     * ``seed``: the training seed.
     * ``preflight``: rank 0's return value of :func:`preflight.run_preflight` (or ``PreflightError.result``);
       ``None`` -> only this process's environment is recorded.
-    * ``runtime_env``: what the launcher added to the Ray runtime env (env_vars, pip, ...).
     * ``dataset`` / ``tokenizer_sha256``: the data module's fingerprint dict and tokenizer
       hash, if already known (else pass them later to :func:`update_record`).
     * ``pods``: :func:`preflight.pod_image` results to use instead of those in ``preflight`` (tests).
@@ -213,7 +226,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
         "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest(),
         "config": config,
         "seed": seed,
-        "runtime_env": runtime_env or {},
+        "runtime_env": _runtime_env_section(workers),
         "software": {"python": e0["python"], **e0["versions"], "cuda": e0["cuda_version"],
                      "nccl": e0["nccl_version"]},
         "packages": packages,
@@ -238,8 +251,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
     return record
 
 
-_UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "runtime_env", "preflight", "time",
-              "weights")
+_UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "preflight", "time", "weights")
 
 
 def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
@@ -247,7 +259,7 @@ def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
     """Merge ``updates`` into ``record`` and rewrite ``run.json`` (rank 0; any time mid-run).
 
     Known keys: ``dataset`` (fingerprint dict), ``tokenizer_sha256``, ``metrics``,
-    ``evaluation``, ``checkpoints``, ``export``, ``seed``, ``runtime_env``, ``preflight``.
+    ``evaluation``, ``checkpoints``, ``export``, ``seed``, ``preflight``.
     Anything else is kept under ``extra`` (a typo never crashes the end of a long run).
     """
     if dataset is not None:
@@ -390,7 +402,7 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 #: Groups whose differences make two runs' environments "not identical" (exit status 1).
-ENVIRONMENT_GROUPS = ("image", "packages", "config", "data", "hardware")
+ENVIRONMENT_GROUPS = ("image", "runtime_env", "packages", "config", "data", "hardware")
 #: Config keys that name or place the run rather than define it (job/config.py's RunConfig.name
 #: and .storage_path); ignored by default, ``--ignore-config`` replaces the list.
 DEFAULT_IGNORED_CONFIG = ("name", "storage_path", "run_name", "run.name")
@@ -423,8 +435,10 @@ def _transport_signature(record: dict) -> list[str]:
 def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_IGNORED_CONFIG) -> dict:
     """Differences between two run records, grouped.
 
-    Returns ``{"image": [...], "packages": [...], "config": [...], "data": [...],
+    Returns ``{"image": [...], "runtime_env": [...], "packages": [...], "config": [...], "data": [...],
     "hardware": [...], "results": [...]}``, each a list of ``(key, value_in_a, value_in_b)``.
+    ``runtime_env``: what the job asked Ray to add (``requested.*``), whether anything was installed at start
+    and the added packages' versions (``packages.<name>``).
     Package keys are distribution names (``None`` = not installed on that side); config and
     data keys are dotted paths (the weights' fingerprint counts as data). ``results`` is informational (losses,
     throughput, MFU, goodput and seconds per phase) and
@@ -444,6 +458,12 @@ def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_
         out["(python)"] = (record.get("software") or {}).get("python")
         out["(job)"] = (record.get("job") or {}).get("version")
         return out
+
+    def runtime_env(record):
+        section = record.get("runtime_env") or {}
+        flat = _flatten({"requested": section.get("requested") or {}, "packages": section.get("packages") or {}})
+        flat["installed_at_start"] = section.get("installed_at_start")
+        return {k: v for k, v in flat.items() if v != {}}
 
     def config(record):
         flat = _flatten(record.get("config") or {})
@@ -471,6 +491,7 @@ def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_
     return {
         "image": _diff({"reference": img_a.get("reference"), "digest": img_a.get("digest")},
                        {"reference": img_b.get("reference"), "digest": img_b.get("digest")}),
+        "runtime_env": _diff(runtime_env(a), runtime_env(b)),
         "packages": _diff(packages(a), packages(b)),
         "config": _diff(config(a), config(b), ignore_config),
         "data": _diff(data(a), data(b)),
@@ -496,7 +517,7 @@ def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -
     """Concise text of :func:`compare_records` output."""
     out = [f"A: {name_a}  ({a.get('run_name')}, {a.get('status')})",
            f"B: {name_b}  ({b.get('run_name')}, {b.get('status')})"]
-    labels = {"image": "image", "packages": "packages", "config": "config", "data": "data",
+    labels = {"image": "image", "runtime_env": "runtime env", "packages": "packages", "config": "config", "data": "data",
               "hardware": "hardware/transport", "results": "results"}
     for group, label in labels.items():
         rows = diffs[group]
@@ -519,8 +540,8 @@ def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -
 def compare_main(argv: list[str]) -> int:
     """``python -m job compare RUN_A RUN_B [--ignore-config KEY ...]``; ``argv`` excludes "compare".
 
-    Prints the grouped differences. Exit status: 0 environments identical (image, packages,
-    config, data, hardware/transport), 1 they differ, 2 bad input (e.g. a missing run.json).
+    Prints the grouped differences. Exit status: 0 environments identical (image, runtime env,
+    packages, config, data, hardware/transport), 1 they differ, 2 bad input (e.g. a missing run.json).
     """
     parser = argparse.ArgumentParser(prog="python -m job compare",
                                      description="Compare the run records (run.json) of two runs.")

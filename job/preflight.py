@@ -4,7 +4,8 @@ Sections (top to bottom):
 
 1. Environment      -- ``worker_environment``: host, accelerators, driver/CUDA/NCCL and
                       package versions of one worker process (``installed_packages``,
-                      ``job_version``).
+                      ``job_version``), and what the Ray runtime env added to it at start
+                      (``runtime_env_additions``).
 2. Image digest     -- ``pod_image``: the image digest Kubernetes actually pulled, read from
                       the pod's own Pod object.
 3. Preflight        -- ``run_preflight``: all_reduce/all_gather bandwidth on every worker,
@@ -27,6 +28,8 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -62,6 +65,60 @@ def installed_packages() -> dict[str, str]:
         if name:
             packages[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
     return dict(sorted(packages.items()))
+
+
+def _ray_runtime_env() -> dict:
+    """The job's runtime env as Ray reports it to this worker; ``{}`` outside a Ray worker (torchrun, tests)."""
+    ray = sys.modules.get("ray")  # never import Ray here: a torchrun worker does not have it initialised
+    if ray is None or not ray.is_initialized():
+        return {}
+    try:
+        return dict(ray.get_runtime_context().runtime_env)
+    except Exception:  # an older or partial Ray: the inventory must not fail the run
+        return {}
+
+
+def _requirements(spec) -> list[str]:
+    """The requirement strings of a runtime env ``pip``/``uv`` entry (a list, or ``{"packages": [...]}``;
+    a requirements-file path stays as given)."""
+    if isinstance(spec, Mapping):
+        spec = spec.get("packages") or []
+    return [spec] if isinstance(spec, str) else [str(r) for r in spec]
+
+
+def runtime_env_additions(runtime_env: Mapping | None = None, *, site_packages: str | None = None) -> dict:
+    """What the job's Ray runtime env asked of this worker, and what it installed when the worker started.
+
+    Ray installs a runtime env's ``pip``/``uv`` requirements at worker start into a virtualenv over the image's
+    packages: a requirement the image already satisfies is not installed again, one that is lives in that
+    virtualenv's site-packages, the site-packages of the worker's interpreter. ``runtime_env``: default
+    :func:`_ray_runtime_env`; ``site_packages``: default this interpreter's (tests pass both). Returns::
+
+        {"requested": {runtime env keys, Ray's internal ``_``-keys left out},
+         "requirements": ["s3fs==2026.4.0", ...],
+         "packages": {name: {"requirement", "version", "installed_at_start"}},
+         "installed_at_start": bool}
+    """
+    runtime_env = _ray_runtime_env() if runtime_env is None else runtime_env
+    requested = {k: v for k, v in runtime_env.items() if not str(k).startswith("_")}
+    requirements = [r for key in ("pip", "uv") if requested.get(key) for r in _requirements(requested[key])]
+    site_packages = os.path.realpath(site_packages or sysconfig.get_paths()["purelib"])
+    added = {}
+    for requirement in requirements:
+        match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement.strip())
+        if not match or requirement.strip().startswith(("-", ".", "/")):  # an option, a path: nothing to look up
+            continue
+        name = re.sub(r"[-_.]+", "-", match.group(0)).lower()
+        try:
+            dist = importlib.metadata.distribution(name)
+            version = dist.version
+            here = os.path.realpath(str(dist.locate_file("")))
+            installed = here == site_packages or here.startswith(site_packages + os.sep)
+        except importlib.metadata.PackageNotFoundError:
+            version, installed = "not installed", False
+        added[name] = {"requirement": requirement, "version": version, "installed_at_start": installed}
+    return {"requested": requested, "requirements": requirements, "packages": added,
+            "installed_at_start": any(p["installed_at_start"] for p in added.values()) or bool(requested.get("conda"))}
 
 
 def job_version() -> str:
@@ -123,6 +180,7 @@ def worker_environment(device=None, *, pod: bool = True) -> dict:
          "driver_version", "driver_source", "cuda_version", "nccl_version",
          "versions": {"torch", "ray", "transformers", "datasets", ..., "job"},
          "packages": {name: version, ...},
+         "runtime_env": {...runtime_env_additions()...},
          "pod": {...pod_image()...}}
     """
     import torch
@@ -166,6 +224,7 @@ def worker_environment(device=None, *, pod: bool = True) -> dict:
         "nccl_version": nccl_version,
         "versions": versions,
         "packages": installed_packages(),
+        "runtime_env": runtime_env_additions(),
         "pod": pod_image() if pod else {"digest": UNKNOWN, "reason": "not asked (pod=False)"},
     }
 

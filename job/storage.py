@@ -1,5 +1,6 @@
 """Run storage: the same few operations on a local directory (a PVC or NFS mount) and on an object store
-(`s3://…`, through fsspec and s3fs; credentials from the environment).
+(`s3://…`, through fsspec and s3fs; credentials from the environment). s3fs is optional (`packages`): without it
+an `s3://` path fails here with the package and the fix named.
 
 Small files (run.json, checkpoint markers) are written atomically: a local file is written beside its target,
 synced and renamed into place; an object-store PUT is already all-or-nothing. So a reader, or a run resumed
@@ -13,6 +14,8 @@ import tempfile
 
 import fsspec
 
+from . import packages
+
 
 def is_remote(uri: str) -> bool:
     return "://" in uri and not uri.startswith("file://")
@@ -22,8 +25,16 @@ def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
 
 
-def filesystem(uri: str):
-    """(fsspec filesystem, path within it) of a local path or URI."""
+def _backend(uri: str, field: str = "storage") -> None:
+    """Import the fsspec backend `uri` needs if it is an optional package; `MissingPackage` naming `field` if absent."""
+    module = packages.for_uri(uri)
+    if module:
+        packages.require(module, f"{field}: {uri}")
+
+
+def filesystem(uri: str, field: str = "storage"):
+    """(fsspec filesystem, path within it) of a local path or URI; `field` names it in a missing-package error."""
+    _backend(uri, field)
     return fsspec.core.url_to_fs(uri)
 
 
@@ -40,6 +51,7 @@ def remove(uri: str) -> None:
 
 
 def read_bytes(uri: str) -> bytes:
+    _backend(uri)
     with fsspec.open(uri, "rb") as f:
         return f.read()
 
@@ -52,6 +64,7 @@ def write_atomic(uri: str, data: bytes | str) -> None:
     """Writes a whole small file so that no reader ever sees part of it."""
     data = data.encode("utf-8") if isinstance(data, str) else data
     if is_remote(uri):
+        _backend(uri)
         with fsspec.open(uri, "wb") as f:
             f.write(data)
         return

@@ -20,6 +20,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 sys.path.insert(0, str(REPO))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "image_set: also run on the Ray image's library versions "
+                                       "(requirements-image.txt; scripts/test.sh runs them on .venv-image)")
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance shared by every test that runs a Ray Train job (starting Ray costs seconds)."""

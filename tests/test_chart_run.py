@@ -103,6 +103,7 @@ def pod_root():
         yield Path(root)
 
 
+@pytest.mark.image_set
 def test_cpu_smoke_rayjob_runs_and_writes_where_storage_says(pod_root):
     runs = pod_root / "claim"
     objects = render("-f", "values/cpu-smoke.yaml", "--set", f"storage.mountPath={runs}", release=RELEASE)

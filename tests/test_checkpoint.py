@@ -7,7 +7,6 @@ be recomputed.
 """
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -97,6 +96,7 @@ def test_reference_run_layout(reference):
     assert not _records(reference, "resume")
 
 
+@pytest.mark.image_set
 def test_sigkill_worker_resumes_exactly(reference, tmp_path):
     """A worker process SIGKILLed from outside mid-run: Ray restarts the group from the latest checkpoint."""
     cfg = _config(tmp_path, "killed", scaling={"num_workers": 2, "max_failures": 1})
@@ -151,6 +151,7 @@ def test_worker_killed_during_an_async_write_resumes_from_the_previous_checkpoin
     _assert_same_training(run_dir, reference)
 
 
+@pytest.mark.image_set
 def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     """No retries left: the job fails; re-running it (a retried RayJob, a restarted driver) continues it."""
     cfg = _config(tmp_path, "retried", debug={"fail_at_step": 10, "fail_rank": 0})
@@ -193,6 +194,7 @@ def test_resume_two_workers_onto_one(reference, tmp_path):
         assert losses[step] == pytest.approx(expected[step], abs=1e-4), f"step {step}"
 
 
+@pytest.mark.image_set
 def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -309,13 +311,9 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     assert torch.equal(torch.get_rng_state(), rng), "RNG state restored from the checkpoint"
 
 
-def test_config_switches():
+def test_fault_injection_settings_are_checked():
     base = tiny_run_config(Path("/tmp"))
     with pytest.raises(config_lib.ConfigError, match="debug.fail_rank"):
         config_lib.load_dict({**base, "debug": {"fail_at_step": 3, "fail_rank": 2}})
     with pytest.raises(config_lib.ConfigError, match="debug.fail_at_step"):
         config_lib.load_dict({**base, "debug": {"fail_at_step": 999}})
-    props = config_lib.json_schema()["properties"]
-    assert {"fail_at_step", "fail_rank"} <= set(props["debug"]["properties"])
-    assert {"every_steps", "keep_last", "resume", "export", "export_tolerance"} <= set(props["checkpoint"]["properties"])
-    assert math.isclose(config_lib.load_dict(base).checkpoint.export_tolerance, 0.01)

@@ -77,8 +77,7 @@ def test_missing_or_malformed_file(tmp_path):
 def test_round_trip_and_defaults():
     cfg = load_with(train={"seq_len": 128})
     again = config_lib.load_dict(yaml.safe_load(config_lib.to_yaml(cfg)))
-    assert again == cfg
-    assert cfg.train.micro_batch_size == config_lib.TrainConfig().micro_batch_size
+    assert again == cfg and again.train.seq_len == 128
 
 
 def test_json_schema_agrees_with_the_loader():

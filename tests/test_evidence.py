@@ -9,9 +9,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import jsonschema
 import pytest
@@ -145,20 +143,6 @@ def test_bus_bandwidth_factors():
 
 # --- Preflight on gloo, in real processes --------------------------------------------------------
 
-@dataclass
-class Expect:
-    transport: Optional[str] = None
-    min_busbw_gbps: Optional[float] = None
-
-
-@dataclass
-class Preflight:
-    sizes_mib: list = field(default_factory=lambda: [1])
-    iters: int = 3
-    warmup: int = 1
-    expect: Expect = field(default_factory=Expect)
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -173,17 +157,19 @@ def _preflight_worker(rank, world, port, out_dir, hostnames, bad_expect):
     import torch.distributed as dist
 
     from job import preflight
+    from job.config import ExpectConfig, PreflightConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     out = {}
     try:
         host = hostnames[rank] if hostnames else None
-        result = preflight.run_preflight(Preflight(), torch.device("cpu"), hostname=host)
+        result = preflight.run_preflight(PreflightConfig(sizes_mib=[1], iters=3, warmup=1), torch.device("cpu"),
+                                         hostname=host)
         out["result"] = result
         try:
-            preflight.run_preflight(Preflight(sizes_mib=[0.25], iters=1, warmup=0, expect=Expect(**bad_expect)),
-                             torch.device("cpu"), hostname=host)
+            preflight.run_preflight(PreflightConfig(sizes_mib=[1], iters=1, warmup=0, expect=ExpectConfig(**bad_expect)),
+                                    torch.device("cpu"), hostname=host)
             out["error"] = None
         except preflight.PreflightError as exc:
             out["error"] = str(exc)
@@ -268,6 +254,40 @@ def test_worker_environment_cpu(monkeypatch):
     assert env["versions"]["job"] == getattr(job, "__version__", "unknown")
     assert env["driver_version"] == "unknown" and env["driver_source"]
     assert env["pod"] == {"digest": "unknown", "reason": "not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)"}
+
+
+def _fake_distribution(site_packages: Path, name: str, version: str) -> None:
+    info = site_packages / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+@pytest.fixture
+def runtime_env_install(tmp_path, monkeypatch):
+    """A worker whose Ray runtime env asked for `added-pkg==1.2.3` (installed at start into the runtime env's
+    site-packages) and `pyyaml` (already in the image's), plus env_vars; Ray's internal keys are left out."""
+    site = tmp_path / "runtime-env-site-packages"
+    _fake_distribution(site, "added-pkg", "1.2.3")
+    monkeypatch.syspath_prepend(str(site))
+    runtime_env = {"pip": {"packages": ["added-pkg==1.2.3", "PyYAML"], "pip_check": False},
+                   "env_vars": {"NCCL_DEBUG": "WARN"}, "_ray_commit": "abc"}
+    return preflight.runtime_env_additions(runtime_env, site_packages=str(site))
+
+
+def test_runtime_env_additions_tell_installed_from_image_packages(runtime_env_install):
+    import yaml
+
+    assert runtime_env_install == {
+        "requested": {"pip": {"packages": ["added-pkg==1.2.3", "PyYAML"], "pip_check": False},
+                      "env_vars": {"NCCL_DEBUG": "WARN"}},
+        "requirements": ["added-pkg==1.2.3", "PyYAML"],
+        "packages": {"added-pkg": {"requirement": "added-pkg==1.2.3", "version": "1.2.3", "installed_at_start": True},
+                     "pyyaml": {"requirement": "PyYAML", "version": yaml.__version__, "installed_at_start": False}},
+        "installed_at_start": True}
+    # On the image alone (no runtime env, or one the image satisfies) nothing is installed at start.
+    nothing = preflight.runtime_env_additions({"pip": ["PyYAML"], "uv": ["missing-pkg>=1"]}, site_packages="/nowhere")
+    assert not nothing["installed_at_start"] and nothing["packages"]["missing-pkg"]["version"] == "not installed"
+    assert preflight.runtime_env_additions({})["requirements"] == []
 
 
 POD = {
@@ -381,8 +401,10 @@ def test_run_record_local_run_unknowns(tmp_path, monkeypatch):
     run_dir = tmp_path / "runs" / "local-demo"
     text = "model:\n  name_or_path: tiny\ntrain:\n  lr: 0.0001\n"
     record = evidence.start_record(str(run_dir), config={"model": {"name_or_path": "tiny"}, "train": {"lr": 1e-4}},
-                                   config_text=text, seed=0, runtime_env={"env_vars": {"A": "1"}})
+                                   config_text=text, seed=0)
     validate(record)
+    assert record["runtime_env"] == {"requested": {}, "requirements": [], "installed_at_start": False, "packages": {},
+                                     "installed_on_ranks": [], "workers_agree": True}
     assert record["run_name"] == "local-demo" and record["status"] == "running"
     assert record["config_sha256"] == __import__("hashlib").sha256(text.encode()).hexdigest()
     assert record["chart"]["name"] == "unknown"
@@ -461,6 +483,43 @@ def test_compare_reports_exactly_the_differences(tmp_path, monkeypatch, capsys):
     assert "image: identical" in out and "data: identical" in out and "hardware/transport: identical" in out
     assert "final_eval_loss: 2.6 -> 2.0  (-0.6, -23.1%)" in out
     assert out.rstrip().endswith("verdict: environments differ in packages, config")
+
+
+def test_compare_image_run_with_runtime_install_run(tmp_path, monkeypatch, capsys, runtime_env_install):
+    """The same job on the image alone and with a runtime-env install: compare shows exactly what was added."""
+    for var in list(CHART_ENV) + ["KUBERNETES_SERVICE_HOST"]:
+        monkeypatch.delenv(var, raising=False)
+    environment = preflight.worker_environment(pod=False)
+    assert environment["packages"]["added-pkg"] == "1.2.3"  # the fixture's distribution is importable here
+    image_env = {**environment, "runtime_env": preflight.runtime_env_additions({}),
+                 "packages": {k: v for k, v in environment["packages"].items() if k != "added-pkg"}}
+    installed_env = {**environment, "runtime_env": runtime_env_install}
+    runs = {}
+    for name, environment in (("image", image_env), ("installed", installed_env)):
+        monkeypatch.setattr(evidence, "worker_environment", lambda pod, environment=environment: environment)
+        record = evidence.start_record(str(tmp_path / name), config={"name": name}, config_text="x", seed=1,
+                                       pods=[{"digest": DIGEST_RAY, "image": "img"}], env={"JOB_IMAGE": "img"})
+        validate(record)
+        runs[name] = record
+    installed = runs["installed"]["runtime_env"]
+    assert (installed["installed_at_start"], installed["installed_on_ranks"]) == (True, [0])
+    assert installed["packages"] == {"added-pkg": "1.2.3", "pyyaml": image_env["packages"]["pyyaml"]}
+    assert runs["installed"]["workers"][0]["environment"]["runtime_env"] == runtime_env_install
+
+    diffs = evidence.compare_records(runs["image"], runs["installed"])
+    assert diffs["runtime_env"] == [
+        ("installed_at_start", False, True),
+        ("packages.added-pkg", None, "1.2.3"),
+        ("packages.pyyaml", None, image_env["packages"]["pyyaml"]),
+        ("requested.env_vars.NCCL_DEBUG", None, "WARN"),
+        ("requested.pip.packages", None, ["added-pkg==1.2.3", "PyYAML"]),
+        ("requested.pip.pip_check", None, False)]
+    assert diffs["packages"] == [("added-pkg", None, "1.2.3")]
+    assert diffs["image"] == diffs["config"] == diffs["data"] == diffs["hardware"] == []
+    assert evidence.compare_main([str(tmp_path / "image"), str(tmp_path / "installed")]) == 1
+    out = capsys.readouterr().out
+    assert "runtime env: 6 differ\n  installed_at_start: false -> true\n" in out
+    assert out.rstrip().endswith("verdict: environments differ in runtime env, packages")
 
 
 def test_compare_identical_and_bad_input(tmp_path, monkeypatch, capsys):

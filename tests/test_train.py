@@ -30,6 +30,7 @@ def metrics(run_dir: str, kind: str) -> list[dict]:
     return [r for r in rows if r["kind"] == kind]
 
 
+@pytest.mark.image_set
 def test_two_workers_learn_held_out_text(tmp_path, ray_cluster):
     raw = tiny_run_config(tmp_path, train={"max_steps": 100, "lr": 5e-3, "warmup_steps": 5},
                           eval={"every_steps": 10, "sample_prompt": "The "}, logging={"every_steps": 10})

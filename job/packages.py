@@ -1,0 +1,79 @@
+"""Optional packages: the two features that need a package a Ray training image may lack, and the one error a
+missing one gives.
+
+Everything else the job imports comes with `ray[train]` (torch aside, which every Ray training image brings):
+fsspec and pyarrow (so Parquet files need nothing more), transformers, pyyaml. Two features need more:
+
+* `s3://` storage and data sources need `s3fs` (fsspec's S3 backend). The AWS Ray Train DLC does not ship it
+  (it has boto3, not s3fs). An s3fs release requires exactly the fsspec of the same version, so the fix names
+  `s3fs==<the fsspec version installed>`: it adds s3fs without moving the image's fsspec.
+* hub data sources (`hf:owner/name`) need `datasets`. The DLC ships it; stock `rayproject/ray` images do not.
+
+`require(module, feature)` imports the package where the feature uses it, or raises `MissingPackage` naming the
+package, the feature and the `runtimeEnv` line that adds it. `check_config(cfg)` runs the same test for every
+feature a run config asks for, so the driver fails at submit time instead of a worker failing mid-run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from types import ModuleType
+
+DATASETS_VERSION = "5.2.0"
+"""The `datasets` pin of requirements.txt (a test keeps them equal): what the fix for a missing one installs."""
+
+
+class MissingPackage(ImportError):
+    """A feature the run uses needs a package this Python environment lacks; the message says how to add it."""
+
+
+def pip_requirement(module: str) -> str:
+    """The pip requirement that adds `module` to an environment like this one (for the fix in the message)."""
+    if module == "s3fs":
+        try:
+            return f"s3fs=={importlib.metadata.version('fsspec')}"
+        except importlib.metadata.PackageNotFoundError:
+            return "s3fs"
+    if module == "datasets":
+        return f"datasets=={DATASETS_VERSION}"
+    return module
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """`import module`, or a `MissingPackage` that names it, `feature` (what needs it) and the fix."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if e.name != module:  # the package is there but broken (a missing dependency of its own): say so as is
+            raise
+        requirement = pip_requirement(module)
+        raise MissingPackage(
+            f"{feature} needs the Python package {module!r}, which this environment does not have. Add it to the "
+            f"Ray runtime env in the chart's values, `runtimeEnv: {{pip: [\"{requirement}\"]}}` (every pod installs "
+            f"it at start), or to the image; locally: pip install '{requirement}'") from None
+
+
+def for_uri(uri: str) -> str | None:
+    """The optional package that fsspec needs to open `uri` (`s3fs` for `s3://`), or None."""
+    return "s3fs" if uri.startswith(("s3://", "s3a://")) else None
+
+
+def is_hub_source(path: str) -> bool:
+    """`hf:owner/name`: a dataset on the Hugging Face hub, read with `datasets` (`hf://` is a file path instead)."""
+    return path.startswith("hf:") and not path.startswith("hf://")
+
+
+def check_config(cfg) -> None:
+    """Raise `MissingPackage` for the first field of `cfg` (a `config.RunConfig`) whose feature lacks its package."""
+    uris = [("storage_path", cfg.storage_path), ("checkpoint.resume", cfg.checkpoint.resume)]
+    for key in ("train", "validation"):
+        source = getattr(cfg.data, key)
+        if source is not None:
+            if is_hub_source(source.path):
+                require("datasets", f"data.{key}: hub dataset {source.path}")
+            uris.append((f"data.{key}", source.path))
+    for key, uri in uris:
+        module = for_uri(uri or "")
+        if module:
+            require(module, f"{key}: {uri}")
