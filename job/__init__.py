@@ -2,8 +2,9 @@
 
 Modules, one concern each (flat, because the chart ships them in a ConfigMap):
 `config` (run config), `data` (sources, formats, packing, batches), `model` (build + FSDP2 `parallelize`),
-`loss` (chunked cross-entropy), `train` (the per-worker loop), `evaluate` (held-out loss, task evaluation),
-`checkpoint` (save, resume, export), `metrics` (MFU, metric log, one-step profiler), `nccl` (transport from NCCL's log),
+`loss` (chunked cross-entropy), `train` (the per-worker loop: build → train → finish), `evaluate` (held-out loss,
+generation, task evaluation), `checkpoint` (asynchronous save, resume), `export` (the checked Hugging Face export),
+`metrics` (MFU, metric log, time accounting and goodput, one-step profiler), `nccl` (transport from NCCL's log),
 `preflight` (environment, image digest, bandwidth),
 `packages` (optional packages: s3fs, datasets), `evidence` (run record, compare), `report` (markdown and
 plots), `launch` (driver: Ray Train or torchrun), `__main__` (CLI).
