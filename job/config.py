@@ -207,6 +207,11 @@ class CheckpointConfig:
     `<storage_path>/<name>/checkpoint_<step>/` every N steps (0: only at the end; the last step always saves)."""
     keep_last: int = constrained(2, minimum=1)
     """Complete checkpoints to keep; older ones are deleted once a newer one is complete."""
+    async_save: bool = True
+    """`true`: training waits only while a save copies the state to host memory; the write goes on in the
+    background and the checkpoint becomes complete (resumable) at the first log step after every worker's write
+    has finished, or at the next save. `false`: training waits until each save is complete, so a run killed after
+    step N resumes from N's checkpoint (for drills that need to know exactly where a run resumes)."""
     resume: str = constrained("auto", pattern=r"\S")
     """`auto`: resume from the latest complete checkpoint of this run name if there is one (after a worker
     failure, a retried job or a re-run with the same name), else start fresh; `never`: start fresh, and fail

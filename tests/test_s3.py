@@ -48,8 +48,10 @@ def test_run_checkpoints_and_resumes_on_s3(tmp_path, s3_endpoint):
     import s3fs
 
     raw = tiny_run_config(tmp_path, name="s3-run", storage_path="s3://runs/experiments",
-                          train={"max_steps": 8, "warmup_steps": 2}, logging={"every_steps": 2},
-                          checkpoint={"every_steps": 4, "export": False}, debug={"fail_at_step": 6, "fail_rank": 1})
+                          train={"max_steps": 12, "warmup_steps": 2}, logging={"every_steps": 2},
+                          checkpoint={"every_steps": 4, "export": False}, debug={"fail_at_step": 10, "fail_rank": 1})
+    # Asynchronous writes to S3: step 4's checkpoint is complete by step 8's save at the latest; step 8's is still
+    # in flight when rank 1 dies at the start of step 10 (step 8's log ran before that save), so the run resumes at 4.
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -57,17 +59,17 @@ def test_run_checkpoints_and_resumes_on_s3(tmp_path, s3_endpoint):
     env = {**os.environ, **s3_endpoint, "OMP_NUM_THREADS": "1"}
 
     first = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode != 0, "the injected fault at step 6 should have stopped the first attempt"
+    assert first.returncode != 0, "the injected fault at step 10 should have stopped the first attempt"
     second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
 
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint["AWS_ENDPOINT_URL"], key="test", secret="test")
     run = "runs/experiments/s3-run"
-    assert fs.exists(f"{run}/checkpoint_00000008/_COMPLETE")
+    assert fs.exists(f"{run}/checkpoint_00000012/_COMPLETE")
     rows = [json.loads(line) for line in fs.cat_file(f"{run}/metrics.jsonl").decode().splitlines()]
     (resume,) = [r for r in rows if r["kind"] == "resume"]
     assert resume["step"] == 4 and resume["checkpoint"].startswith("s3://runs/experiments/s3-run/checkpoint_00000004")
-    assert [r["step"] for r in rows if r["kind"] == "train"] == [2, 4, 6, 8]  # steps after 4 logged once
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [2, 4, 6, 8, 10, 12]  # steps after 4 logged once
     record = json.loads(fs.cat_file(f"{run}/run.json"))
     assert record["status"] == "succeeded" and record["run_dir"] == "s3://runs/experiments/s3-run"
     assert [a["status"] for a in record["previous_attempts"]] in (["failed"], ["interrupted"])
