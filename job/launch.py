@@ -59,7 +59,7 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
 def _storage_problems(run_dir: str) -> list[str]:
     """Creates the run directory and writes a probe file in it: a storage path that is a file, read-only, not
     writable or full fails here, naming the path, instead of in the middle of the first save."""
-    probe = storage.join(run_dir, ".write-probe")
+    probe = storage.join(run_dir, f".write-probe-{os.getpid()}")  # one per process: torchrun's all check at once
     try:
         fs, path = storage.filesystem(run_dir)
         fs.makedirs(path, exist_ok=True)
