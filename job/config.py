@@ -551,7 +551,7 @@ def _validate_data(cfg: RunConfig, errors: list[str]) -> None:
             )
     if d.chat_template is not None and d.format != "chat":
         errors.append("data.chat_template: only used with data.format: chat")
-    if d.validation is None and d.validation_fraction == 0:
+    if d.validation is None and d.validation_fraction == 0 and e.task is None:  # (eval.task says it below)
         no_heldout = "needs held-out data: set data.validation or data.validation_fraction > 0"
         if e.every_steps:
             errors.append(f"eval.every_steps: evaluation {no_heldout}")
