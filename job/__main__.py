@@ -6,9 +6,11 @@
     python -m job accept EXPORT_DIR                                re-check an exported model (fresh process)
     python -m job schema                                           JSON Schema of the run config
 
-`run` parses the config (errors name the field and exit 2, as does a missing optional package), prints the resolved config, prepares the run
-directory, trains under Ray Train (or under torchrun when started by it), and says where the run is; a
-failed run exits 1 with the workers' error.
+`run` parses and checks the config, the optional packages it needs, the storage, the model's settings and (under Ray) whether the cluster can
+place the workers: every problem found is printed, one line each naming the field, and exits 2 before any
+worker starts. It then prints the resolved config, prepares the run directory, trains under Ray Train (or
+under torchrun when started by it), and says where the run is; a failed run exits 1 with the workers' error.
+A run that is already complete is not started again: it says so and what to do instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
 from . import launch, packages
+
+
+COMMANDS = """commands:
+  run (default)       train (or only the preflight, per the config's `mode`)
+  compare RUN_A RUN_B what differs between two runs' records (run.json)
+  report RUN_DIR      markdown summary and plots of a run
+  accept EXPORT_DIR   re-check an exported model in a fresh process
+  schema              JSON Schema of the run config"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,24 +50,32 @@ def main(argv: list[str] | None = None) -> int:
         return _accept(argv[1:])
     if argv[:1] == ["run"]:
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="python -m job", description="FSDP2 fine-tune under Ray Train.")
+    parser = argparse.ArgumentParser(prog="python -m job [run]", description="FSDP2 fine-tune under Ray Train.",
+                                     epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
     try:
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
-        packages.check_config(cfg)  # a missing optional package fails here, on the driver, before any worker starts
-    except (config_lib.ConfigError, packages.MissingPackage) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    run_dir = launch.run_directory(cfg)
-    try:
+        packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
+        run_dir = launch.run_directory(cfg)
+        launch.check_before_start(cfg, run_dir)
         if launch.under_torchrun():
-            loop_config = launch.prepare(cfg, run_dir)
-            launch.run_with_torchrun(loop_config)
+            launch.run_with_torchrun(launch.prepare(cfg, run_dir))
             return 0
         print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
+        if (done := launch.finished(cfg, run_dir)) is not None:
+            print(done, flush=True)
+            return 0
+        launch.connect_ray(cfg)
         loop_config = launch.prepare(cfg, run_dir)
+    except config_lib.ConfigError as e:
+        for message in e.messages:
+            print(f"config error: {message}", file=sys.stderr)
+        return 2
+    except packages.MissingPackage as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except checkpoint_lib.CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 1

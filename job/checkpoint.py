@@ -7,25 +7,28 @@ Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS 
     checkpoint_00000040/             one checkpoint per saved step, written in place by every rank:
         .metadata, __<rank>_0.distcp     torch.distributed.checkpoint (model + optimizer, sharded; reshardable)
         rng/rank00000.pt ...             per-rank RNG states (torch CPU/CUDA, python, numpy)
-        train_state.json                 step, data position, LR schedule, world size, architecture, config
+        checksums/rank00000.json ...     sha256 and size of each file that rank wrote
+        train_state.json                 step, data position, LR schedule, world size, architecture, run
+                                         identity (tokenizer, data, seq_len, seed, global batch), config
         _COMPLETE                        written last, by rank 0, after every rank finished: only a directory
                                          with this marker is a checkpoint (a crash mid-save leaves none)
-    checkpoint_manager_snapshot.json Ray Train's list of reported checkpoints (Ray launcher only)
+        _UNUSABLE                        (only) a complete checkpoint that failed verification on resume
     export/                          model.safetensors, config.json, tokenizer files, reference.json,
                                      acceptance.json and the `_VALID` marker once the reload check passed
     faults/                          markers of injected faults (debug.fail_at_step), so each fires once
     workers/rank<r>.pid              worker process ids (local storage only; for failure drills)
 
-Both launchers run the same code: every rank writes its DCP shards straight to the checkpoint directory, then
-rank 0 writes `train_state.json` and `_COMPLETE`. Under Ray Train, the complete directory is then reported
-with `ray.train.report(metrics, checkpoint=..., checkpoint_upload_mode=NO_UPLOAD)`: Ray records it in its
-snapshot (so `ray.train.get_checkpoint()` returns it after a worker-group restart or a driver restart with the
-same run name) and deletes all but the last `keep_last`. Under torchrun, rank 0 prunes old checkpoints itself
-and resume scans the run directory for the newest complete checkpoint.
+Both launchers run the same code (`Checkpointer`): every rank writes its DCP shards straight to the checkpoint
+directory and lists their checksums, then rank 0 writes `train_state.json` and `_COMPLETE` and prunes old
+checkpoints. A
+resume (worker-group restart, retried job, re-run) scans the run directory, newest first, for a checkpoint
+whose files all match their checksums. Checkpoints are not reported to Ray Train: its own bookkeeping would
+refuse a restart when a listed checkpoint is gone, and prune without knowing which ones are verified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -48,6 +51,10 @@ from . import storage
 
 COMPLETE = "_COMPLETE"
 """Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
+UNUSABLE = "_UNUSABLE"
+"""Marker written into a complete checkpoint that failed verification on resume, with the reason: never used again."""
+CHECKSUMS = "checksums"
+"""Directory of a checkpoint holding `rank<r>.json`: sha256 and size of each file rank r wrote."""
 STATE = "train_state.json"
 PREFIX = "checkpoint_"
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -64,7 +71,8 @@ def step_dir(step: int) -> str:
 
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
-    """(step, uri, complete) of every `checkpoint_<step>` directory of a run, oldest first."""
+    """(step, uri, usable) of every `checkpoint_<step>` directory of a run, oldest first; usable: complete
+    (`_COMPLETE`) and not found bad on an earlier resume (`_UNUSABLE`)."""
     fs, path = storage.filesystem(run_dir)
     if not fs.exists(path):
         return []
@@ -73,13 +81,103 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
             uri = storage.join(run_dir, name)
-            found.append((int(name[len(PREFIX):]), uri, storage.exists(storage.join(uri, COMPLETE))))
+            usable = storage.exists(storage.join(uri, COMPLETE)) and not storage.exists(storage.join(uri, UNUSABLE))
+            found.append((int(name[len(PREFIX):]), uri, usable))
     return sorted(found)
 
 
 def latest_complete(run_dir: str) -> str | None:
     complete = [uri for _, uri, ok in list_checkpoints(run_dir) if ok]
     return complete[-1] if complete else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Integrity: content checksums written with every checkpoint, verified before it is loaded
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _digest(uri: str) -> dict:
+    """sha256 and size of a file's content as storage holds it (read back, in 8 MiB pieces)."""
+    fs, path = storage.filesystem(uri)
+    h, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"sha256": h.hexdigest(), "bytes": size}
+
+
+def write_checksums(uri: str, rank: int) -> None:
+    """Writes `checksums/rank<r>.json` into checkpoint `uri`: sha256 and size of every file this rank wrote
+    (its DCP shards `__<rank>_*.distcp`, rank 0 also `.metadata`, and its RNG file), read back from storage,
+    so the list describes what a resume will read. Call once this rank's files are written, before `_COMPLETE`."""
+    fs, path = storage.filesystem(uri)
+    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.glob(f"{path}/__{rank}_*.distcp"))
+    if rank == 0:
+        names.append(".metadata")
+    names.append(f"rng/rank{rank:05d}.pt")
+    files = {name: _digest(storage.join(uri, name)) for name in names}
+    storage.write_atomic(storage.join(uri, CHECKSUMS, f"rank{rank:05d}.json"),
+                         json.dumps({"rank": rank, "files": files}, indent=1))
+
+
+def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
+    """Checks checkpoint `uri`'s files against the checksums their writers listed; returns the problems found,
+    one per file ("<file> (written by rank <r>): ..."). The lists of writer ranks `rank`, `rank + world`, ...
+    are this caller's share, so `world` ranks verify a checkpoint together, each reading a part of it.
+    Checkpoints of train-state format 1 (before checksums) have nothing to verify."""
+    state = _read_state(uri)
+    if state.get("format", 1) < 2:
+        return []
+    problems = []
+    for writer in range(rank, int(state["world_size"]), world):
+        listing = storage.join(uri, CHECKSUMS, f"rank{writer:05d}.json")
+        try:
+            files = json.loads(storage.read_bytes(listing))["files"]
+        except Exception as e:
+            problems.append(f"{CHECKSUMS}/rank{writer:05d}.json (written by rank {writer}): cannot be read "
+                            f"({type(e).__name__}: {e})")
+            continue
+        for name, expected in files.items():
+            try:
+                found = _digest(storage.join(uri, name))
+            except FileNotFoundError:
+                problems.append(f"{name} (written by rank {writer}): missing")
+                continue
+            if found != expected:
+                problems.append(f"{name} (written by rank {writer}): content differs from its checksum "
+                                f"({found['bytes']} bytes, sha256 {found['sha256'][:12]}…; saved "
+                                f"{expected['bytes']} bytes, sha256 {expected['sha256'][:12]}…)")
+    return problems
+
+
+def _read_state(uri: str) -> dict:
+    try:
+        state = json.loads(storage.read_bytes(storage.join(uri, STATE)))
+        state["step"] = int(state["step"])
+        return state
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {uri}: cannot read {STATE}: {type(e).__name__}: {e}") from e
+
+
+def _unusable_reason(uri: str) -> str | None:
+    """Why checkpoint `uri` cannot be resumed from, or None (collective: the checksum verification is shared
+    among the ranks and every rank gets the same answer)."""
+    problems = []
+    if not storage.exists(storage.join(uri, COMPLETE)):
+        problems.append(f"incomplete (no {COMPLETE} marker: the save was interrupted)")
+    elif storage.exists(storage.join(uri, UNUSABLE)):
+        marker = json.loads(storage.read_bytes(storage.join(uri, UNUSABLE)))
+        problems.append(f"found unusable by an earlier resume: {marker['reason']}")
+    else:
+        try:
+            problems += verify(uri, dist.get_rank(), dist.get_world_size())
+        except CheckpointError as e:
+            problems.append(str(e).removeprefix(f"checkpoint {uri}: "))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    unique = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
+    return "; ".join(unique) or None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -101,46 +199,105 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
             )
     elif policy != "auto" and latest_complete(run_dir) is None:
         # An explicit start point matters only while the run has no checkpoint of its own.
-        _require_complete(policy)
+        if not storage.exists(policy):
+            raise CheckpointError(f"checkpoint.resume: no checkpoint at {policy}")
+        if not storage.exists(storage.join(policy, COMPLETE)):
+            raise CheckpointError(f"checkpoint {policy}: incomplete (no {COMPLETE} marker; the save was interrupted)")
 
 
-def _require_complete(uri: str) -> None:
-    if not storage.exists(uri):
-        raise CheckpointError(f"checkpoint.resume: no checkpoint at {uri}")
-    if not storage.exists(storage.join(uri, COMPLETE)):
-        raise CheckpointError(f"checkpoint {uri}: incomplete (no {COMPLETE} marker; the save was interrupted)")
+def retire_ray_snapshot(run_dir: str) -> bool:
+    """Deletes Ray Train's checkpoint list left by an earlier version of this job, which reported checkpoints
+    to Ray: Ray would refuse to start when a checkpoint it lists is gone, and would prune by its own list.
+    Checkpoints are now found, verified and pruned here alone, from the run directory. True if there was one."""
+    snapshot = storage.join(run_dir, RAY_SNAPSHOT)
+    if not storage.exists(snapshot):
+        return False
+    storage.remove(snapshot)
+    return True
 
 
-def find_resume_point(cfg: config_lib.RunConfig, run_dir: str, launcher: str) -> str | None:
-    """The checkpoint this worker group starts from, or None to start fresh (collective under Ray).
+def find_resume_point(cfg: config_lib.RunConfig, run_dir: str) -> tuple[str | None, list[dict]]:
+    """The checkpoint this worker group starts from (None: from scratch) and the checkpoints skipped as
+    unusable, newest first, each `{"checkpoint", "step", "reason"}` (collective: every rank calls it).
 
-    The run's own latest checkpoint always wins (a worker-group restart, a retried job, a driver restart, a
-    re-run of the same name): the newer of the one `ray.train.get_checkpoint()` returns and the newest complete
-    directory of the run. The latter can be newer when a worker died after the checkpoint was complete but
-    before Ray registered its report, or when torchrun wrote it; Ray is then told about it (reported again), so
-    that it counts towards `keep_last`. Only a run without checkpoints of its own starts from an explicit
-    `resume` URI. (`resume: never` was checked by the driver before the run started, so anything found here is
-    this run's.)
+    One rule for every launcher and every restart (a worker-group restart, a retried job, a re-run of the same
+    name): the run's checkpoint directories are tried newest first, and the first usable one wins: complete,
+    its train state readable and every file matching its checksum (each rank verifies a share). A newer one
+    that is not usable is skipped, and the caller records it and why (`metrics.jsonl` resume record,
+    `run.json` `resumed_from`); a complete one found corrupt is also marked `_UNUSABLE`, so later prunes
+    delete it and later resumes skip it without reading it again. When the run has complete checkpoints but
+    none is usable, `CheckpointError` lists each and why: a run that saved progress never starts from scratch
+    silently. Only a run without a complete checkpoint of its own starts from an explicit `resume` URI.
     """
-    reported = None
-    if launcher == "ray":
-        import ray.train
-
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
-            reported = storage.join(run_dir, checkpoint.path.rstrip("/").rsplit("/", 1)[-1])
-    on_disk = latest_complete(run_dir)
-    own = max((u for u in (reported, on_disk) if u), key=lambda u: int(u.rsplit(PREFIX, 1)[-1]), default=None)
-    if own is not None:
-        _require_complete(own)
-        if launcher == "ray" and own != reported:
-            _ray_report(own.rsplit("/", 1)[-1], {"step": int(own.rsplit(PREFIX, 1)[-1]), "adopted": True})
-        return own
+    skipped = []
+    entries = list_checkpoints(run_dir)
+    for step, uri, _ in reversed(entries):
+        reason = _unusable_reason(uri)
+        if reason is None:
+            return uri, skipped
+        skipped.append({"checkpoint": uri, "step": step, "reason": reason})
+        complete = storage.exists(storage.join(uri, COMPLETE))
+        if complete and not storage.exists(storage.join(uri, UNUSABLE)) and dist.get_rank() == 0:
+            storage.write_atomic(storage.join(uri, UNUSABLE), json.dumps({"reason": reason, "time": time.time()}))
+    if any(storage.exists(storage.join(s["checkpoint"], COMPLETE)) for s in skipped):
+        listing = "; ".join(f"{s['checkpoint']}: {s['reason']}" for s in skipped)
+        raise CheckpointError(
+            f"run {run_dir} has checkpoints, but none can be resumed from ({listing}). To start this run over, "
+            f"delete its checkpoints (rm -r {storage.join(run_dir, PREFIX)}*) or choose a new run name")
     policy = cfg.checkpoint.resume
     if policy in ("auto", "never"):
-        return None
-    _require_complete(policy)
-    return policy
+        return None, skipped
+    reason = _unusable_reason(policy) if storage.exists(policy) else "no checkpoint there"
+    if reason is not None:
+        raise CheckpointError(f"checkpoint.resume: {policy}: {reason}")
+    return policy, skipped
+
+
+def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> dict:
+    """What makes a resumed run the same run as the one that saved the checkpoint (see `check_identity`):
+    the tokenizer and the data read (source hashes, revisions and row counts; paths left out, so a moved copy
+    of the same files matches), and the settings that decide which tokens each step trains on."""
+    def content(value):
+        if isinstance(value, dict):
+            return {k: content(v) for k, v in value.items() if k not in ("source", "path")}
+        return [content(v) for v in value] if isinstance(value, list) else value
+
+    data = {k: content(fingerprint.get(k)) for k in ("format", "train", "validation", "packing")}
+    return {
+        "tokenizer": _sha256_json(fingerprint.get("tokenizer")),
+        "data": _sha256_json(data),
+        "seq_len": cfg.train.seq_len,
+        "seed": cfg.train.seed,
+        "global_batch": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world,
+    }
+
+
+def _sha256_json(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+IDENTITY_FIELDS = {"tokenizer": "tokenizer", "data": "data", "seq_len": "train.seq_len", "seed": "train.seed",
+                   "global_batch": "global batch (train.micro_batch_size x train.grad_accum_steps x workers)"}
+"""Each `run_identity` key and the setting it is named by in a refusal."""
+
+
+def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) -> None:
+    """Refuses (`CheckpointError`, naming each field) to resume a checkpoint whose run differs from this one
+    in anything of `run_identity` not listed in `checkpoint.allow_changes`. For a checkpoint saved without an
+    identity (train-state format 1) the settings come from its config; tokenizer and data cannot be compared."""
+    saved = dict(state.get("identity") or {})
+    if not saved:
+        c = state["config"]["train"]
+        saved = {"seq_len": c["seq_len"], "seed": c["seed"],
+                 "global_batch": c["micro_batch_size"] * c["grad_accum_steps"] * state["world_size"]}
+    differ = [key for key in IDENTITY_FIELDS if key in saved and saved[key] != identity[key] and key not in allowed]
+    if differ:
+        detail = "; ".join(
+            f"{IDENTITY_FIELDS[k]}: checkpoint {saved[k]}, now {identity[k]}" if k not in ("tokenizer", "data")
+            else f"{k}: differs (sha256 {saved[k][:12]}… in the checkpoint, {identity[k][:12]}… now)" for k in differ)
+        raise CheckpointError(
+            f"checkpoint {uri}: would not continue the same run ({detail}). Restore the settings, start a new run "
+            f"name, or, if the change is intended, set checkpoint.allow_changes: [{', '.join(differ)}]")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -202,7 +359,7 @@ class Checkpointer:
     write to a background thread: DCP shards and this rank's RNG state, over a gloo group of its own so that
     the training's collectives keep the default group to themselves. A checkpoint becomes complete only in
     `finish()`, once every rank's write has returned: rank 0 then writes `train_state.json` and, last,
-    `_COMPLETE`, and the launcher is told. A save cut short (a worker died mid-write) has no marker and is never
+    `_COMPLETE`, and prunes. A save cut short (a worker died mid-write) has no marker and is never
     resumed from; the previous complete checkpoint is.
 
     At most one save is in flight: `save` finishes the previous one first. The loop calls `finish()` at a log
@@ -210,10 +367,11 @@ class Checkpointer:
     before the job reports success.
     """
 
-    def __init__(self, cfg: config_lib.RunConfig, run_dir: str, launcher: str, device: torch.device):
+    def __init__(self, cfg: config_lib.RunConfig, run_dir: str, device: torch.device, identity: dict):
+        """`identity` (`run_identity`) is kept in each checkpoint's train state, for the resume check."""
         from concurrent.futures import ThreadPoolExecutor
 
-        self.cfg, self.run_dir, self.launcher = cfg, run_dir, launcher
+        self.cfg, self.run_dir, self.identity = cfg, run_dir, identity
         self.group = dist.new_group(backend="gloo")
         self.stager = HostStager(pin=device.type == "cuda")
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
@@ -252,25 +410,29 @@ class Checkpointer:
         start = time.perf_counter()
         dcp.save(staged, storage_writer=_writer(uri), process_group=self.group)
         storage.write_atomic(storage.join(uri, "rng", f"rank{rank:05d}.pt"), rng)
+        write_checksums(uri, rank)
         return time.perf_counter() - start
 
     def write_done(self) -> bool:
         """Whether this rank has no write in flight (the loop sums it over ranks before calling `finish`)."""
         return self.pending is None or self.pending[2].done()
 
-    def finish(self, metrics: dict | None = None) -> dict | None:
+    def finish(self) -> dict | None:
         """Completes the save in flight, if any (waiting for its writes); returns `{step, uri, write_s}`."""
         if self.pending is None:
             return None
         step, uri, future = self.pending
         self.pending = None
-        write_s = future.result()  # a failed write raises here, on its rank
-        dist.barrier()  # every rank's shards and RNG state are written
+        try:
+            write_s = future.result()  # a failed write raises here, on its rank
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            raise _failed_save(uri, e) from e
+        dist.barrier()  # every rank's shards, RNG state and checksums are written
         cfg = self.cfg
         if dist.get_rank() == 0:
             accum, mb = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
             state = {
-                "format": 1,
+                "format": 2,
                 "step": step,
                 "world_size": dist.get_world_size(),
                 "data": {"micro_batch_index": step * accum, "micro_batch_size": mb, "grad_accum_steps": accum,
@@ -279,19 +441,15 @@ class Checkpointer:
                                 "warmup_steps": cfg.train.warmup_steps, "max_steps": cfg.train.max_steps,
                                 "min_lr_ratio": cfg.train.min_lr_ratio},
                 "arch": self.arch,
+                "identity": self.identity,
                 "config": config_lib.to_dict(cfg),
                 "saved_at": time.time(),
             }
             storage.write_atomic(storage.join(uri, STATE), json.dumps(state, indent=1).encode())
             storage.write_atomic(storage.join(uri, COMPLETE), b"")  # last: the checkpoint is complete from here on
-        if self.launcher == "ray":
-            _ray_report(step_dir(step), {**(metrics or {}), "step": step})
-            if dist.get_rank() == 0:
-                _prune(self.run_dir, None, keep_before=step)
-        else:
-            dist.barrier()
-            if dist.get_rank() == 0:
-                _prune(self.run_dir, cfg.checkpoint.keep_last, keep_before=step)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _prune(self.run_dir, cfg.checkpoint.keep_last, keep_before=step)
         return {"step": step, "uri": uri, "write_s": write_s}
 
     def close(self) -> None:
@@ -369,19 +527,19 @@ def _tensors(obj, path: tuple = ()):
             yield from _tensors(v, (*path, i))
 
 
-def _ray_report(name: str, metrics: dict) -> None:
-    """Reports the complete checkpoint directory `name` of the run to Ray Train, in place (no upload): every
-    rank calls it (it is a barrier); rank 0 passes the checkpoint."""
-    import ray.train
-    from ray.train import Checkpoint, CheckpointUploadMode
-
-    checkpoint = None
+def _failed_save(uri: str, error: BaseException) -> CheckpointError:
+    """The error of a save that failed (a full disk, read-only or lost storage), naming the checkpoint and each
+    rank's cause, once rank 0 removed what was written: a partial checkpoint neither looks like one nor keeps
+    the space the run record needs to say the run failed. (A rank that fails alone leaves the directory to the
+    next save or prune; without `_COMPLETE` no resume uses it, and it is listed as skipped.)"""
+    removed = ""
     if dist.get_rank() == 0:
-        ray_storage = ray.train.get_context().get_storage()
-        checkpoint = Checkpoint(path=f"{ray_storage.experiment_fs_path}/{name}",
-                                filesystem=ray_storage.storage_filesystem)
-    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
-                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        try:
+            storage.remove(uri)
+            removed = "; the partial checkpoint was removed"
+        except Exception as cleanup:
+            removed = f"; removing the partial checkpoint failed too ({type(cleanup).__name__}: {cleanup})"
+    return CheckpointError(f"checkpoint {uri}: save failed ({_failure_causes(error)}){removed}")
 
 
 def _torch_bytes(obj) -> bytes:
@@ -390,41 +548,38 @@ def _torch_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def _prune(run_dir: str, keep_last: int | None, keep_before: int) -> None:
-    """Deletes interrupted saves older than `keep_before`, and (torchrun; Ray prunes what it reported) all but
-    the newest `keep_last` complete checkpoints."""
-    entries = list_checkpoints(run_dir)
-    complete = [uri for _, uri, ok in entries if ok]
-    doomed = [uri for step, uri, ok in entries if not ok and step < keep_before]
-    if keep_last is not None:
-        doomed += complete[:-keep_last]
+def _prune(run_dir: str, keep_last: int, keep_before: int) -> None:
+    """Deletes what no resume will use: interrupted or unusable saves older than `keep_before` (the step just
+    saved), and all but the newest `keep_last` usable checkpoints up to it. The newest usable one, the
+    checkpoint just saved (its checksums taken from what storage holds), is never deleted."""
+    entries = [(step, uri, ok) for step, uri, ok in list_checkpoints(run_dir) if step <= keep_before]
+    usable = [uri for _, uri, ok in entries if ok]
+    doomed = [uri for step, uri, ok in entries if not ok and step < keep_before] + usable[:-keep_last]
     for uri in doomed:
         storage.remove(uri)
 
 
-def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
-    """Loads a checkpoint into the sharded model and optimizer (any world size: DCP reshards) and this rank's
-    RNG states; returns its train state. Any problem raises `CheckpointError` naming the checkpoint."""
+def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig, identity: dict) -> dict:
+    """Loads a checkpoint (verified by `find_resume_point`) into the sharded model and optimizer (any world
+    size: DCP reshards) and this rank's RNG states; returns its train state. Refuses a checkpoint of another
+    architecture or, per `check_identity`, of another run. Any problem raises `CheckpointError` naming the
+    checkpoint (a failed read names each rank's cause)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    try:
-        state = json.loads(storage.read_bytes(storage.join(uri, STATE)))
-        step = int(state["step"])
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {uri}: cannot read {STATE}: {type(e).__name__}: {e}") from e
+    state = _read_state(uri)
     saved, current = state.get("arch", {}), _arch(model.lm.config)
     differ = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
     if differ:
         detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in differ.items())
         raise CheckpointError(f"checkpoint {uri}: saved for another model architecture ({detail})")
+    check_identity(uri, state, identity, cfg.checkpoint.allow_changes)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=_reader(uri))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"checkpoint {uri}: cannot be read ({type(e).__name__}: {first[:500]})") from e
+        raise CheckpointError(f"checkpoint {uri}: cannot be read ({_failure_causes(e)})") from e
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     rng = storage.join(uri, "rng", f"rank{dist.get_rank():05d}.pt")
     if storage.exists(rng):  # a rank that did not exist before (more workers now) keeps its seeded state
@@ -432,8 +587,19 @@ def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig) -> dict:
             _set_rng_state(torch.load(io.BytesIO(storage.read_bytes(rng)), weights_only=False))
         except Exception as e:
             raise CheckpointError(f"checkpoint {uri}: cannot read {rng}: {type(e).__name__}: {e}") from e
-    state["step"] = step
     return state
+
+
+def _failure_causes(error: BaseException) -> str:
+    """Each failed rank's own exception, one line each: DCP's `CheckpointException` prints only the ranks."""
+    def line(exc: BaseException) -> str:
+        text = " ".join(str(exc).split())
+        return f"{type(exc).__name__}: {text[:300]}"
+
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return line(error)
+    return "; ".join(f"rank {rank}: {line(exc)}" for rank, (exc, _trace) in sorted(failures.items()))
 
 
 def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_blocks: int | None) -> tuple[int, bool]:

@@ -13,6 +13,7 @@ The same file drives every launcher: the local embedded run, torchrun, and the H
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import functools
 import inspect
@@ -26,7 +27,11 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A bad run configuration; the message starts with the dotted path of the offending field."""
+    """A bad run configuration: one line per problem, each starting with the dotted path of its field."""
+
+    def __init__(self, *messages: str):
+        super().__init__("\n".join(messages))
+        self.messages = list(messages)
 
 
 def constrained(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **keywords) -> Any:
@@ -197,7 +202,8 @@ class ScalingConfig:
     cpus_per_worker: float = constrained(1.0, exclusiveMinimum=0)
     """CPUs reserved per worker in Ray."""
     max_failures: int = constrained(0, minimum=0)
-    """Worker-group failures to recover from (restarting from the latest checkpoint) before the run fails."""
+    """Worker-group failures to recover from (restarting from the latest checkpoint) before the run fails. 0
+    fails at the first lost worker (local runs, CI); the chart's values.yaml sets 1 for clusters."""
 
 
 @dataclass
@@ -218,6 +224,13 @@ class CheckpointConfig:
     if the run name already has checkpoints; any other value is a checkpoint directory or URI
     (`.../checkpoint_00000100`) to start from, used only while this run has no checkpoint of its own. A
     checkpoint that exists but cannot be read stops the run with an error naming it."""
+    allow_changes: list[Literal["tokenizer", "data", "seq_len", "seed", "global_batch"]] = field(default_factory=list)
+    """Differences from the checkpoint's run that a resume accepts. By default a resume refuses, naming the
+    field, a checkpoint saved with another tokenizer, other data (file hashes, hub revisions, row counts),
+    `train.seq_len`, `train.seed` or global batch (micro-batch x accumulation x workers): it would not continue
+    the same run. List those you change on purpose, e.g. `[data]` to continue on new data, `[global_batch]`
+    to resume on fewer workers without raising `train.grad_accum_steps` (the data order is then not exact).
+    The model architecture can never change."""
     export: bool = True
     """At the end, save the trained model as Hugging Face safetensors (with its config and tokenizer) in
     `<storage_path>/<name>/export/`, reload it in a fresh process and check it (see `export_tolerance`)."""
@@ -334,7 +347,10 @@ class RunConfig:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Checks across fields that types alone cannot express; raises `ConfigError` naming the field."""
+    """Checks across fields that types alone cannot express. Raises one `ConfigError` listing every problem,
+    each naming its field, in the order of the config tree (as `python -m job schema` and the resolved config
+    list the fields; `load_dict` puts them in the file's order), so one edit can fix them all."""
+    errors: list[str] = []
     positive = {
         "train.max_steps": cfg.train.max_steps,
         "train.micro_batch_size": cfg.train.micro_batch_size,
@@ -351,7 +367,7 @@ def validate(cfg: RunConfig) -> None:
     }
     for path, value in positive.items():
         if value <= 0:
-            raise ConfigError(f"{path}: must be > 0, got {value}")
+            errors.append(f"{path}: must be > 0, got {value}")
     non_negative = {
         "train.warmup_steps": cfg.train.warmup_steps,
         "train.weight_decay": cfg.train.weight_decay,
@@ -369,122 +385,189 @@ def validate(cfg: RunConfig) -> None:
     }
     for path, value in non_negative.items():
         if value < 0:
-            raise ConfigError(f"{path}: must be >= 0, got {value}")
+            errors.append(f"{path}: must be >= 0, got {value}")
     if not cfg.name:
-        raise ConfigError("name: required (the run name; the chart sets it from the release name)")
+        errors.append("name: required (the run name; the chart sets it from the release name)")
+    elif not _RUN_NAME.fullmatch(cfg.name):
+        errors.append(f"name: {cfg.name!r} must be one directory name of letters, digits, '.', '_' and '-', "
+                      "starting with a letter or digit: the run directory is <storage_path>/<name>, and a name with "
+                      "'/' or '..' would place it elsewhere")
     if cfg.train.warmup_steps >= cfg.train.max_steps:
-        raise ConfigError(
+        errors.append(
             f"train.warmup_steps: {cfg.train.warmup_steps} must be below train.max_steps ({cfg.train.max_steps})"
         )
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
+        errors.append(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
-        raise ConfigError(f"train.betas: expected two values in [0, 1), got {cfg.train.betas}")
+        errors.append(f"train.betas: expected two values in [0, 1), got {cfg.train.betas}")
     m = cfg.model
     if m.init == "pretrained" and m.path is None:
-        raise ConfigError("model.path: required with model.init: pretrained (or set model.init: random)")
+        errors.append("model.path: required with model.init: pretrained (or set model.init: random)")
     if m.init == "random" and m.path is None and m.preset is None:
-        raise ConfigError("model.preset: model.init: random needs an architecture: set model.preset or model.path")
+        errors.append("model.preset: model.init: random needs an architecture: set model.preset or model.path")
     if m.preset is not None and m.path is not None:
-        raise ConfigError("model.preset: give either model.preset or model.path, not both")
+        errors.append("model.preset: give either model.preset or model.path, not both")
     if m.sdpa_backend is not None and m.attn_implementation != "sdpa":
-        raise ConfigError(f"model.sdpa_backend: needs model.attn_implementation: sdpa, not {m.attn_implementation}")
+        errors.append(f"model.sdpa_backend: needs model.attn_implementation: sdpa, not {m.attn_implementation}")
     if m.train_tokenizer_vocab is not None and m.tokenizer is not None:
-        raise ConfigError("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
+        errors.append("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
     if m.train_tokenizer_vocab is not None and m.train_tokenizer_vocab < 260:
-        raise ConfigError(f"model.train_tokenizer_vocab: must be >= 260 (256 bytes + specials), got {m.train_tokenizer_vocab}")
-    _validate_data(cfg)
+        errors.append(f"model.train_tokenizer_vocab: must be >= 260 (256 bytes + specials), got {m.train_tokenizer_vocab}")
+    _validate_data(cfg, errors)
     if cfg.data.format != "synthetic" and m.tokenizer is None and m.path is None and m.train_tokenizer_vocab is None:
-        raise ConfigError(
+        errors.append(
             "model.tokenizer: real data needs a tokenizer: set model.tokenizer, model.path "
             "or model.train_tokenizer_vocab"
         )
     if not cfg.preflight.sizes_mib or min(cfg.preflight.sizes_mib) <= 0:
-        raise ConfigError(f"preflight.sizes_mib: expected a non-empty list of sizes > 0, got {cfg.preflight.sizes_mib}")
+        errors.append(f"preflight.sizes_mib: expected a non-empty list of sizes > 0, got {cfg.preflight.sizes_mib}")
     group = cfg.parallel.shard_group_size
     if group < 0 or (group and cfg.scaling.num_workers % group):
-        raise ConfigError(
+        errors.append(
             f"parallel.shard_group_size: {group} must be 0 or divide scaling.num_workers ({cfg.scaling.num_workers})"
         )
     if cfg.parallel.cpu_offload and cfg.parallel.compile:
-        raise ConfigError("parallel.compile: not supported together with parallel.cpu_offload")
+        errors.append("parallel.compile: not supported together with parallel.cpu_offload")
     if cfg.parallel.mixed_precision == "bf16" and not cfg.scaling.use_gpu:
-        raise ConfigError("parallel.mixed_precision: bf16 needs scaling.use_gpu: true (CPU runs use fp32)")
+        errors.append("parallel.mixed_precision: bf16 needs scaling.use_gpu: true (CPU runs use fp32)")
     if not cfg.checkpoint.resume.strip():
-        raise ConfigError("checkpoint.resume: expected auto, never or a checkpoint directory/URI, got ''")
+        errors.append("checkpoint.resume: expected auto, never or a checkpoint directory/URI, got ''")
     if cfg.checkpoint.export_tolerance <= 0:
-        raise ConfigError(f"checkpoint.export_tolerance: must be > 0, got {cfg.checkpoint.export_tolerance}")
+        errors.append(f"checkpoint.export_tolerance: must be > 0, got {cfg.checkpoint.export_tolerance}")
     if cfg.debug.fail_at_step is not None and not 1 <= cfg.debug.fail_at_step <= cfg.train.max_steps:
-        raise ConfigError(
+        errors.append(
             f"debug.fail_at_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.fail_at_step}"
         )
     if cfg.debug.profile_step is not None and not 1 <= cfg.debug.profile_step <= cfg.train.max_steps:
-        raise ConfigError(
+        errors.append(
             f"debug.profile_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.profile_step}"
         )
     if not 0 <= cfg.debug.fail_rank < cfg.scaling.num_workers:
-        raise ConfigError(
+        errors.append(
             f"debug.fail_rank: must be within [0, scaling.num_workers={cfg.scaling.num_workers}), got {cfg.debug.fail_rank}"
         )
     if cfg.eval.sample_prompt is not None and cfg.data.format == "synthetic":
-        raise ConfigError("eval.sample_prompt: synthetic data has no tokenizer to encode a prompt")
+        errors.append("eval.sample_prompt: synthetic data has no tokenizer to encode a prompt")
+    if cfg.checkpoint.every_steps > cfg.train.max_steps:
+        errors.append(f"checkpoint.every_steps: {cfg.checkpoint.every_steps} is longer than the run "
+                      f"(train.max_steps {cfg.train.max_steps}), so no checkpoint would come before the last step; "
+                      "set it to at most train.max_steps, or 0 to save only at the end")
+    if errors:
+        raise ConfigError(*_in_tree_order(errors))
 
 
-def _validate_data(cfg: RunConfig) -> None:
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@functools.cache
+def _tree_order() -> dict[str, int]:
+    """Dotted path of every config field, numbered in the order of the config tree."""
+    order: dict[str, int] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            order[prefix + f.name] = len(order)
+            for tp in (_hints(cls)[f.name], *typing.get_args(_hints(cls)[f.name])):
+                if dataclasses.is_dataclass(tp):
+                    walk(tp, f"{prefix}{f.name}.")
+
+    walk(RunConfig, "")
+    return order
+
+
+def _in_order(messages: list[str], order: dict[str, int]) -> list[str]:
+    """Messages sorted (stably) by the position in `order` of the field each names, or of its nearest parent
+    listed there; messages naming none of them last."""
+    def position(message: str) -> int:
+        path = re.split(r"[:\[ ]", message, maxsplit=1)[0]
+        while path and path not in order:
+            path = path.rpartition(".")[0]
+        return order.get(path, len(order))
+
+    return sorted(messages, key=position)
+
+
+def _in_tree_order(messages: list[str]) -> list[str]:
+    return _in_order(messages, _tree_order())
+
+
+def _file_order(raw: dict) -> dict[str, int]:
+    """Dotted path of every key of a raw config mapping, numbered in the order the file gives them."""
+    order: dict[str, int] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            order[f"{prefix}{key}"] = len(order)
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+
+    walk(raw, "")
+    return order
+
+
+def _validate_data(cfg: RunConfig, errors: list[str]) -> None:
     """Cross-field checks of `data` and `eval` (sources, columns, templates, task evaluation)."""
     import string
 
     d, e = cfg.data, cfg.eval
     if not 0.0 <= d.validation_fraction < 1.0:
-        raise ConfigError(f"data.validation_fraction: must be within [0, 1), got {d.validation_fraction}")
+        errors.append(f"data.validation_fraction: must be within [0, 1), got {d.validation_fraction}")
     if d.format == "synthetic":
         for key in ("train", "validation"):
             if getattr(d, key) is not None:
-                raise ConfigError(f"data.{key}: synthetic data takes no source (set data.format: text to train on it)")
+                errors.append(f"data.{key}: synthetic data takes no source (set data.format: text to train on it)")
         if e.task is not None:
-            raise ConfigError("eval.task: task evaluation needs real data (data.format: prompt_completion or chat)")
+            errors.append("eval.task: task evaluation needs real data (data.format: prompt_completion or chat)")
         return
     if d.train is None:
-        raise ConfigError(f"data.train: required with data.format: {d.format}")
+        errors.append(f"data.train: required with data.format: {d.format}")
     for key in ("train", "validation"):
         src = getattr(d, key)
         if src is None:
             continue
         if not src.path:
-            raise ConfigError(f"data.{key}.path: required (a file, directory, URI or hf:owner/name)")
+            errors.append(f"data.{key}.path: required (a file, directory, URI or hf:owner/name)")
         hub = src.path.startswith("hf:") and not src.path.startswith("hf://")
         if hub and src.path.count("/") != 1:
-            raise ConfigError(f"data.{key}.path: expected hf:owner/name, got {src.path!r}")
+            errors.append(f"data.{key}.path: expected hf:owner/name, got {src.path!r}")
         if not hub:
             for opt in ("revision", "subset"):
                 if getattr(src, opt) is not None:
-                    raise ConfigError(f"data.{key}.{opt}: only for hub sources (hf:owner/name), not {src.path!r}")
+                    errors.append(f"data.{key}.{opt}: only for hub sources (hf:owner/name), not {src.path!r}")
             if src.split != "train":
-                raise ConfigError(f"data.{key}.split: only for hub sources (hf:owner/name), not {src.path!r}")
+                errors.append(f"data.{key}.split: only for hub sources (hf:owner/name), not {src.path!r}")
         if src.path.startswith("builtin:"):
             if src.path != "builtin:python-docs":
-                raise ConfigError(f"data.{key}.path: unknown builtin source {src.path!r} (known: builtin:python-docs)")
+                errors.append(f"data.{key}.path: unknown builtin source {src.path!r} (known: builtin:python-docs)")
             if d.format != "text":
-                raise ConfigError(f"data.{key}.path: builtin:python-docs is plain text, for data.format: text only")
+                errors.append(f"data.{key}.path: builtin:python-docs is plain text, for data.format: text only")
     for col, name in dataclasses.asdict(d.columns).items():
         if not name:
-            raise ConfigError(f"data.columns.{col}: must not be empty")
+            errors.append(f"data.columns.{col}: must not be empty")
     if d.format == "prompt_completion":
         try:
             fields = [f for _, f, _, _ in string.Formatter().parse(d.prompt_template) if f is not None]
         except ValueError as err:
-            raise ConfigError(f"data.prompt_template: not a valid format string: {err}") from None
+            errors.append(f"data.prompt_template: not a valid format string: {err}")
+            fields = []
         if any(not f or not f.isidentifier() for f in fields):
-            raise ConfigError(
+            errors.append(
                 f"data.prompt_template: fields must be column names like {{prompt}}, got {d.prompt_template!r}"
             )
     if d.chat_template is not None and d.format != "chat":
-        raise ConfigError("data.chat_template: only used with data.format: chat")
+        errors.append("data.chat_template: only used with data.format: chat")
+    if d.validation is None and d.validation_fraction == 0 and e.task is None:  # (eval.task says it below)
+        no_heldout = "needs held-out data: set data.validation or data.validation_fraction > 0"
+        if e.every_steps:
+            errors.append(f"eval.every_steps: evaluation {no_heldout}")
+        if cfg.checkpoint.export:
+            errors.append(f"checkpoint.export: the export's acceptance check (its held-out loss against the final "
+                          f"evaluation's) {no_heldout}, or set checkpoint.export: false")
     if e.task is not None:
         if d.format not in ("prompt_completion", "chat"):
-            raise ConfigError(f"eval.task: needs data.format prompt_completion or chat, not {d.format}")
+            errors.append(f"eval.task: needs data.format prompt_completion or chat, not {d.format}")
         if d.validation is None and d.validation_fraction == 0:
-            raise ConfigError("eval.task: needs held-out rows: set data.validation or data.validation_fraction > 0")
+            errors.append("eval.task: needs held-out rows: set data.validation or data.validation_fraction > 0")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -565,27 +648,37 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+    """The dataclass `cls` from a mapping; every unknown key and wrong type is collected into one `ConfigError`."""
     hints = _hints(cls)
-    kwargs = {}
+    kwargs, errors = {}, []
     for key, value in raw.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in hints:
             known = ", ".join(sorted(hints))
-            raise ConfigError(f"{path}: unknown key (known keys here: {known})")
-        kwargs[key] = _convert(value, hints[key], path)
+            errors.append(f"{path}: unknown key (known keys here: {known})")
+            continue
+        try:
+            kwargs[key] = _convert(value, hints[key], path)
+        except ConfigError as e:
+            errors += e.messages
+    if errors:
+        raise ConfigError(*errors)
     return cls(**kwargs)
 
 
 def load_dict(raw: dict | None) -> RunConfig:
     """Builds and validates a `RunConfig` from a mapping (missing keys take their defaults)."""
     cfg = _build(RunConfig, raw or {})
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:  # in the order of the file (a field it leaves at its default: where its section is)
+        raise ConfigError(*_in_order(e.messages, _file_order(raw or {}))) from None
     return cfg
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Applies `a.b.c=value` overrides to a raw config mapping; values are parsed as YAML scalars."""
-    raw = yaml.safe_load(yaml.safe_dump(raw or {}))  # deep copy
+    raw = copy.deepcopy(raw or {})
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:

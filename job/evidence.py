@@ -319,11 +319,26 @@ def _previous_attempts(run_dir: str) -> list[dict]:
     except (FileNotFoundError, ValueError):
         return []
     summary = {key: old.get(key) for key in ("started_at", "ended_at", "status", "error", "config_sha256")}
-    if summary["status"] == "running":  # it never closed its record: killed (node loss, SIGKILL, OOM)
-        summary["status"] = "interrupted"
     summary["image_digest"] = (old.get("image") or {}).get("digest")
     summary["steps"] = (old.get("metrics") or {}).get("steps")
+    if summary["status"] == "running":  # it never closed its record: killed (node loss, SIGKILL, OOM)
+        summary.update(status="interrupted", **_last_seen(run_dir, old.get("started_at")))
     return [*old.get("previous_attempts", []), summary]
+
+
+def _last_seen(run_dir: str, started_at: str | None) -> dict:
+    """For an attempt that never closed its record: its last train step and the time of its last metrics
+    record (its end, to within one logging interval)."""
+    try:
+        since = _dt.datetime.fromisoformat(started_at).timestamp() if started_at else 0.0
+        rows = [r for r in read_metrics(run_dir) if isinstance(r.get("time"), (int, float)) and r["time"] >= since]
+    except (OSError, ValueError):
+        return {}
+    if not rows:
+        return {}
+    steps = [r["step"] for r in rows if r.get("kind") == "train" and isinstance(r.get("step"), int)]
+    ended = _dt.datetime.fromtimestamp(rows[-1]["time"], _dt.timezone.utc).isoformat(timespec="seconds")
+    return {"steps": steps[-1] if steps else None, "ended_at": ended, "ended_at_from": "last metrics record"}
 
 
 def load_record(run_dir: str) -> dict:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
+from . import export as export_lib
 from . import storage
 from .train import train_loop
 
@@ -45,6 +47,67 @@ def run_directory(cfg: config_lib.RunConfig) -> str:
     return f"{storage.rstrip('/')}/{cfg.name}"
 
 
+def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
+    """What the config file alone cannot show, checked in the driver before any data is read or any worker
+    started: the run directory can be created and written, and the model (its config, no weights) takes the
+    settings. Raises one `ConfigError` listing every problem, each naming its field."""
+    errors = _storage_problems(run_dir) + _model_problems(cfg)
+    if errors:
+        raise config_lib.ConfigError(*errors)
+
+
+def _storage_problems(run_dir: str) -> list[str]:
+    """Creates the run directory and writes a probe file in it: a storage path that is a file, read-only, not
+    writable or full fails here, naming the path, instead of in the middle of the first save."""
+    probe = storage.join(run_dir, f".write-probe-{os.getpid()}")  # one per process: torchrun's all check at once
+    try:
+        fs, path = storage.filesystem(run_dir)
+        fs.makedirs(path, exist_ok=True)
+        storage.write_atomic(probe, b"")
+        storage.remove(probe)
+    except Exception as e:  # OSError locally; object stores raise their own (credentials, missing bucket)
+        return [f"storage_path: cannot create and write the run directory {run_dir} ({type(e).__name__}: {e})"]
+    return []
+
+
+def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
+    """Checks the model's config (`model.preset` or `model.path`, with `model.overrides`) against the settings:
+    attention heads that divide the hidden size and key/value heads that divide the heads (a model that cannot
+    run), and `train.seq_len` within the model's positions."""
+    from .model import hf_config
+
+    try:
+        arch = hf_config(cfg.model)
+    except Exception as e:
+        field = "model.overrides" if cfg.model.preset else "model.path"
+        return [f"{field}: cannot build the model config ({type(e).__name__}: {' '.join(str(e).split())[:300]})"]
+    hidden, heads = getattr(arch, "hidden_size", None), getattr(arch, "num_attention_heads", None)
+    kv_heads = getattr(arch, "num_key_value_heads", None) or heads
+    errors = []
+    if hidden and heads and hidden % heads and getattr(arch, "head_dim", None) is None:
+        errors.append(f"model.overrides: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    if heads and kv_heads and heads % kv_heads:
+        errors.append(f"model.overrides: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
+    positions = getattr(arch, "max_position_embeddings", None)
+    if positions and cfg.train.seq_len > positions:
+        errors.append(f"train.seq_len: {cfg.train.seq_len} is beyond the model's max_position_embeddings ({positions})")
+    return errors
+
+
+def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
+    """What to tell the user when the run is already complete (its newest checkpoint is at `train.max_steps`
+    and, when `checkpoint.export`, its export was accepted), so that a re-run starts nothing; else None."""
+    latest = checkpoint_lib.latest_complete(run_dir)
+    step = int(latest.rsplit(checkpoint_lib.PREFIX, 1)[-1]) if latest else 0
+    if step < cfg.train.max_steps or (cfg.checkpoint.export and not export_lib.export_is_valid(run_dir, step)):
+        return None
+    export = f", its export accepted in {storage.join(run_dir, export_lib.EXPORT_DIR)}" if cfg.checkpoint.export else ""
+    return (f"run {run_dir} is already complete: checkpoint {latest} is at step {step} "
+            f"(train.max_steps {cfg.train.max_steps}){export}. Nothing to train. To train longer, raise "
+            "train.max_steps (the run continues from this checkpoint); to train again from scratch, choose a new "
+            "run name or delete the run directory.")
+
+
 def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
 
@@ -53,6 +116,9 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     """
     started_at = time.time()  # the run's time accounting starts here (metrics.Timeline)
     checkpoint_lib.check_before_start(cfg, run_dir)
+    if checkpoint_lib.retire_ray_snapshot(run_dir):
+        print(f"removed {checkpoint_lib.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
+              "directory itself", flush=True)
     # Read and check every data source here, before any worker starts: a missing path, bad row or unreachable
     # hub id fails now with the source named. The training text also trains the tokenizer, if one is asked for.
     corpus = data_lib.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
@@ -69,42 +135,147 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     return loop_config
 
 
-def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
-    """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
+def connect_ray(cfg: config_lib.RunConfig) -> None:
+    """Connects to the Ray cluster at `RAY_ADDRESS` (inside a RayJob), or starts an embedded local Ray, and
+    refuses (`ConfigError`) a worker group the cluster can never place: Ray would wait for it forever."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
-    from ray.train.torch import TorchTrainer
 
     # Workers print their metric lines themselves; Ray's print patching would print each line twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    if not sys.stdout.isatty():  # no colour codes around the workers' line prefixes in a log file
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if not ray.is_initialized():
-        # Inside a RayJob, RAY_ADDRESS points at the cluster; otherwise start an embedded local Ray.
         ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="WARNING")
-    storage, name = loop_config["run_dir"].rsplit("/", 1)
-    trainer = TorchTrainer(
+    need = worker_resources(cfg)
+    capacity = worker_capacity(need, [n["Resources"] for n in ray.nodes() if n["Alive"]], _autoscaler_groups())
+    if capacity is not None and capacity < cfg.scaling.num_workers:
+        shown = ", ".join(f"{k} {v:g}" for k, v in need.items())
+        raise config_lib.ConfigError(
+            f"scaling.num_workers: {cfg.scaling.num_workers} workers of {{{shown}}} each cannot be placed: this "
+            f"Ray cluster can hold at most {capacity} (whole workers per node, its autoscaler's maximum included); "
+            "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
+
+
+def worker_resources(cfg: config_lib.RunConfig) -> dict[str, float]:
+    return {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1.0} if cfg.scaling.use_gpu else {})}
+
+
+def worker_capacity(need: dict[str, float], nodes: list[dict], groups: list[tuple[dict, int]] | None) -> int | None:
+    """How many workers needing `need` each the cluster can ever hold: whole workers per node, summed over the
+    live `nodes` (resource dicts) or, with an autoscaler, its node `groups` (resources, max count) at their
+    maximum, whichever is larger; None when a group has no maximum."""
+    def per_node(resources: dict) -> int:
+        return int(min(resources.get(k, 0.0) // v for k, v in need.items()))
+
+    now = sum(per_node(r) for r in nodes)
+    if not groups:
+        return now
+    if any(count < 0 for _, count in groups):
+        return None
+    return max(now, sum(per_node(r) * count for r, count in groups))
+
+
+def _autoscaler_groups() -> list[tuple[dict, int]] | None:
+    """(resources, max count) of each node group the cluster's autoscaler may start (KubeRay publishes them);
+    None without an autoscaler."""
+    try:
+        from ray._private.state import state
+
+        config = state.get_cluster_config()
+    except Exception:  # an older or a non-autoscaling cluster
+        return None
+    if config is None or not config.node_group_configs:
+        return None
+    return [(dict(g.resources), g.max_count) for g in config.node_group_configs]
+
+
+def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
+    """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
+    from ray.train.torch import TorchTrainer
+
+    connect_ray(cfg)
+    storage_path, name = loop_config["run_dir"].rsplit("/", 1)
+    trainer = trainer_class(TorchTrainer)(
         train_loop,
         train_loop_config={**loop_config, "launcher": "ray"},
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
+            resources_per_worker=worker_resources(cfg),
         ),
-        # Same name + storage_path = same run: Ray Train reloads its checkpoint snapshot from there, so a restarted
-        # driver (retried RayJob, helm upgrade, re-run) hands the latest checkpoint to ray.train.get_checkpoint().
+        # Ray Train's run directory is the run's: the workers find, verify and prune its checkpoints themselves.
         run_config=RunConfig(
             name=name,
-            storage_path=storage,
+            storage_path=storage_path,
             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
         ),
     )
+    from ray.exceptions import RayActorError
+
     try:
         trainer.fit()
     except WorkerGroupError as e:
-        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in sorted(e.worker_failures.items()))
-    except TrainingFailedError as e:  # e.g. a worker process lost with no `scaling.max_failures` left
-        return f"{type(e).__name__}: {' '.join(str(e).split())[:2000]}"
+        failures = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
+        lost = any(isinstance(exc, RayActorError) for exc in e.worker_failures.values())
+        return _by_message(failures) + (f"\n{resume_hint(loop_config['run_dir'])}" if lost else "")
+    except TrainingFailedError as e:
+        return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config['run_dir'])}"
     return None
+
+
+def trainer_class(base: type) -> type:
+    """`base` (Ray's `TorchTrainer`) without Ray Train's placement-group cleaner.
+
+    The cleaner is a detached actor that polls the state API for the controller actor and removes the worker
+    group's placement group once the controller looks dead. `ray.train.v2._internal.state.util.is_actor_alive`
+    counts a missing answer as dead (`actor_state and ...`), and a state API starved of CPU answers with
+    nothing within its timeout: on 2 busy cores the cleaner removed the live run's placement group and the run
+    failed (issue 17; the same flaw is pointed out in ray-project/ray#65447). The cleaner only matters when the
+    controller dies while its driver lives on; here the driver is this process, and when it ends, Ray removes
+    the placement groups its job created. Kept as is if Ray's internals differ (then the cleaner stays)."""
+    try:
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        return base
+    if not hasattr(base, "_create_default_callbacks"):
+        return base
+
+    class Trainer(base):
+        def _create_default_callbacks(self):
+            return [cb for cb in super()._create_default_callbacks()
+                    if not isinstance(cb, PlacementGroupCleanerCallback)]
+
+    return Trainer
+
+
+def worker_failure(exc: BaseException) -> str:
+    """One line for a worker's failure: a worker whose process died (OOM, node loss, SIGKILL) is called lost."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(exc, RayActorError):  # ActorDiedError included
+        return f"lost: its process died (out of memory, node lost or killed) ({type(exc).__name__}: {_one_line(exc)[:300]})"
+    return f"{type(exc).__name__}: {_one_line(exc)}"
+
+
+def _by_message(failures: dict[int, str]) -> str:
+    """`ranks 0, 1: <message>; rank 2: <other>`: ranks that failed alike are named once."""
+    ranks: dict[str, list[int]] = {}
+    for rank, message in sorted(failures.items()):
+        ranks.setdefault(message, []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}" for m, r in ranks.items())
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:2000]
+
+
+def resume_hint(run_dir: str) -> str:
+    """What re-running the same command does after a lost worker or a failed Ray Train controller."""
+    latest = checkpoint_lib.latest_complete(run_dir)
+    if latest is None:
+        return "the run has no complete checkpoint: re-running the same command starts it from the beginning"
+    return f"re-running the same command resumes the run from its newest usable checkpoint ({latest} or older)"
 
 
 def run_with_torchrun(loop_config: dict) -> None:

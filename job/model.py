@@ -108,21 +108,26 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> nn.M
 
     `vocab_size` (from a trained tokenizer) resizes a preset's vocabulary.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    token = os.environ.get("HF_TOKEN")
     common = dict(attn_implementation=cfg.attn_implementation, dtype=torch.float32)
     if cfg.init == "pretrained":
         return AutoModelForCausalLM.from_pretrained(
-            cfg.path, revision=cfg.revision, token=token, **cfg.overrides, **common
+            cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"), **cfg.overrides, **common
         )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), **common)
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int | None = None):
+    """The Hugging Face config of the model to build, without its weights: the preset's (its vocabulary resized
+    to `vocab_size`, if given) or `path`'s, with `overrides` applied."""
+    from transformers import AutoConfig, Qwen2Config
+
     if cfg.preset is not None:
         vocab = {"vocab_size": vocab_size} if vocab_size else {}
-        hf_config = Qwen2Config(**{**PRESETS[cfg.preset], **vocab, **cfg.overrides})
-    else:
-        hf_config = AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, token=token, **cfg.overrides)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(hf_config, **common)
+        return Qwen2Config(**{**PRESETS[cfg.preset], **vocab, **cfg.overrides})
+    return AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"), **cfg.overrides)
 
 
 class CausalLMWithLoss(nn.Module):

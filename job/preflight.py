@@ -333,6 +333,11 @@ class PreflightError(RuntimeError):
         self.failures = failures
         self.result = result
 
+    def __reduce__(self):
+        # Ray pickles a worker's exception to hand it to the driver; the default would rebuild it from the
+        # message alone, as if that string were the list of failures.
+        return type(self), (self.failures, self.result)
+
 
 def bus_bandwidth_factor(op: str, n: int) -> float:
     """nccl-tests' correction from algorithm to bus bandwidth (doc/PERFORMANCE.md).

@@ -155,14 +155,15 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
         model = parallelize(CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend), cfg.parallel,
                             mesh, bf16)
         optimizer, schedule = build_optimizer(model, cfg.train, device)
-        checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, loop_config["launcher"], device)
+        identity = checkpoint_lib.run_identity(cfg, world, dataset.fingerprint)
+        checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, device, identity)
 
     # ---- Resume: the run's latest complete checkpoint (or checkpoint.resume's), resharded onto this world size.
     start_step, start_micro, resumed, data_exact = 0, 0, None, True
     with timeline.phase("resume"):
-        resume_from = checkpoint_lib.find_resume_point(cfg, run_dir, loop_config["launcher"])
+        resume_from, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
         if resume_from is not None:
-            resumed = checkpoint_lib.restore(resume_from, model, optimizer, cfg)
+            resumed = checkpoint_lib.restore(resume_from, model, optimizer, cfg, identity)
             start_step = resumed["step"]
             start_micro, data_exact = checkpoint_lib.data_start(
                 resumed, cfg, world, len(dataset.train) if dataset.train is not None else None)
@@ -184,9 +185,11 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
               latest_checkpoint=resume_from)
     run.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
              "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
-    if resumed is not None:
-        resume_record = {"step": start_step, "checkpoint": resume_from, "saved_world_size": resumed["world_size"],
-                         "micro_batch_index": start_micro, "data_exact": data_exact}
+    if resumed is not None or skipped:
+        resume_record = {"step": start_step, "checkpoint": resume_from, "skipped": skipped}
+        if resumed is not None:
+            resume_record.update(saved_world_size=resumed["world_size"], micro_batch_index=start_micro,
+                                 data_exact=data_exact)
         run.log({"kind": "resume", **resume_record})
         if record:
             evidence.update_record(run_dir, record, resumed_from=resume_record)

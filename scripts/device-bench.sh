@@ -46,7 +46,8 @@ case "${1:-1gpu}" in
     for mb in ${2:-4 16}; do
       python3 -m job "${gsm8k[@]}" --set name=gsm8k-mb$mb --set train.micro_batch_size=$mb --set train.max_steps=24 \
         --set train.warmup_steps=2 --set logging.every_steps=2 --set eval.every_steps=0 --set eval.task=null \
-        --set checkpoint.export=false --set parallel.reshard_after_forward=false --set debug.profile_step=20 \
+        --set checkpoint.export=false --set checkpoint.every_steps=0 --set parallel.reshard_after_forward=false \
+        --set debug.profile_step=20 \
         >"$out/gsm8k-mb$mb.log" 2>&1
       echo "micro-batch $mb: exit $?"; cp /tmp/runs/gsm8k-mb$mb/profile-step20.txt "$out/gsm8k-mb$mb.profile.txt"
       grep -v '^ ' "$out/gsm8k-mb$mb.log" | grep '"kind": "train"' | cut -c1-330 | tail -n 3

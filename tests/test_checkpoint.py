@@ -93,6 +93,9 @@ def test_reference_run_layout(reference):
     assert state["step"] == 20 and state["world_size"] == 2
     assert state["data"]["micro_batch_index"] == 20
     assert sorted(os.listdir(f"{reference}/checkpoint_00000020/rng")) == ["rank00000.pt", "rank00001.pt"]
+    assert sorted(os.listdir(f"{reference}/checkpoint_00000020/checksums")) == ["rank00000.json", "rank00001.json"]
+    assert checkpoint_lib.verify(f"{reference}/checkpoint_00000020") == []
+    assert not os.path.exists(f"{reference}/{checkpoint_lib.RAY_SNAPSHOT}"), "checkpoints are not reported to Ray"
     assert not _records(reference, "resume")
 
 
@@ -111,9 +114,11 @@ def test_sigkill_worker_resumes_exactly(reference, tmp_path):
                 pid = int(Path(run_dir, "workers", "rank1.pid").read_text())
             except (OSError, ValueError):
                 steps = []
-            if steps and steps[-1] >= EVERY + 1:
+            # Past a complete checkpoint (saves are asynchronous: one completes some steps after its own).
+            complete = checkpoint_lib.latest_complete(run_dir)
+            if steps and steps[-1] >= EVERY + 1 and complete:
                 os.kill(pid, signal.SIGKILL)
-                killed.update(step=steps[-1], pid=pid)
+                killed.update(step=steps[-1], pid=pid, complete=int(complete.rsplit("_", 1)[-1]))
                 return
             time.sleep(0.02)
 
@@ -123,8 +128,8 @@ def test_sigkill_worker_resumes_exactly(reference, tmp_path):
     watcher.join()
     assert killed and killed["step"] < MAX_STEPS, "the worker was killed before the run ended"
     (resume,) = _records(run_dir, "resume")
-    assert resume["step"] % EVERY == 0 and resume["step"] >= EVERY
-    assert killed["step"] - resume["step"] <= EVERY, f"more than one checkpoint interval recomputed: {killed}, {resume}"
+    assert resume["step"] % EVERY == 0 and resume["step"] >= killed["complete"], f"{killed}, {resume}"
+    assert not resume["skipped"] or resume["skipped"][0]["reason"].startswith("incomplete"), resume
     assert int(Path(run_dir, "workers", "rank1.pid").read_text()) != killed["pid"], "rank 1 is a new process"
     _assert_same_training(run_dir, reference)
 
@@ -156,18 +161,70 @@ def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     """No retries left: the job fails; re-running it (a retried RayJob, a restarted driver) continues it."""
     cfg = _config(tmp_path, "retried", debug={"fail_at_step": 10, "fail_rank": 0})
     run_dir = _run(cfg, fails=True)
-    assert checkpoint_lib.latest_complete(run_dir).endswith("checkpoint_00000008")
-    _run(cfg)  # a new driver: Ray Train reloads its checkpoint snapshot of this run name
+    # Checkpoint 8 completes asynchronously: by step 10 it may still be in flight (then 4 is the latest).
+    latest = int(checkpoint_lib.latest_complete(run_dir).rsplit("_", 1)[-1])
+    assert latest in (4, 8)
+    _run(cfg)  # a new driver: the workers find the run's newest usable checkpoint in its directory
     (resume,) = _records(run_dir, "resume")
-    assert resume["step"] == 8
+    assert resume["step"] == latest
     _assert_same_training(run_dir, reference)
-    # The run record is this attempt's, resumed from step 8, and remembers the failed attempt before it.
+    # The run record is this attempt's, resumed from that step, and remembers the failed attempt before it.
     record = evidence.load_record(run_dir)
-    assert record["status"] == "succeeded" and record["extra"]["resumed_from"]["step"] == 8
+    assert record["status"] == "succeeded" and record["extra"]["resumed_from"]["step"] == latest
     # Rank 0 was SIGKILLed, so that attempt never closed its record: it shows as interrupted.
-    assert [a["status"] for a in record["previous_attempts"]] == ["interrupted"]
-    # Whether or not Ray registered checkpoint 8 before the worker died, it is pruned like any other.
+    [attempt] = record["previous_attempts"]
+    assert attempt["status"] == "interrupted"
+    # ... and what it reached is read back from its metrics: its last logged step and when it was last seen.
+    assert attempt["steps"] == 9 and attempt["ended_at"] >= attempt["started_at"]
+    # An interrupted save of 8 included, older checkpoints are pruned.
     assert [s for s, _, _ in checkpoint_lib.list_checkpoints(run_dir)] == [16, 20]
+
+
+def test_corrupt_latest_checkpoint_resumes_from_the_previous_exactly(reference, tmp_path):
+    """Drill "corrupt a shard" end to end: random bytes inside the final checkpoint of a copy of the reference
+    run; re-running it resumes from checkpoint 16 (the skipped one and why recorded), and steps 17-20 train
+    exactly as the reference's did."""
+    copy = tmp_path / "runs" / "reference"
+    shutil.copytree(reference, copy, ignore=shutil.ignore_patterns("export", "final.pt"))
+    _corrupt(f"{copy}/checkpoint_00000020/__1_0.distcp")
+    cfg = _config(tmp_path, "reference")
+    _run(cfg)
+    [resume] = _records(str(copy), "resume")
+    assert resume["step"] == 16 and resume["data_exact"]
+    [skipped] = resume["skipped"]
+    assert skipped["step"] == 20 and skipped["reason"].startswith("__1_0.distcp (written by rank 1): content differs")
+    assert evidence.load_record(str(copy))["extra"]["resumed_from"]["skipped"] == [skipped]
+    _assert_same_training(str(copy), reference)
+    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(str(copy))] == [(16, True), (20, True)]
+
+
+def test_unplaceable_worker_group_is_refused_before_fit(ray_cluster, tmp_path):
+    """3 workers of 1 CPU on the 2-CPU test cluster: refused at once, instead of Ray waiting forever."""
+    cfg = _config(tmp_path, "too-many", scaling={"num_workers": 3})
+    with pytest.raises(config_lib.ConfigError, match="scaling.num_workers: 3 workers of {CPU 1} each cannot be "
+                                                      "placed: this Ray cluster can hold at most 2"):
+        launch.connect_ray(cfg)
+
+
+def test_worker_capacity_counts_whole_workers_per_node():
+    need = {"CPU": 2.0, "GPU": 1.0}
+    nodes = [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 3.0, "GPU": 4.0}, {"CPU": 16.0}]
+    assert launch.worker_capacity(need, nodes, None) == 3  # 2 + 1 + 0 (no GPU)
+    assert launch.worker_capacity(need, nodes, [({"CPU": 8.0, "GPU": 4.0}, 4)]) == 16  # the autoscaler's maximum
+    assert launch.worker_capacity(need, nodes, [({"CPU": 8.0, "GPU": 4.0}, -1)]) is None  # no maximum
+
+
+def test_trainer_has_no_placement_group_cleaner():
+    """Under CPU starvation Ray's cleaner took the live controller for dead and removed its placement group."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    trainer = launch.trainer_class(TorchTrainer)(lambda config: None, scaling_config=ScalingConfig(num_workers=1))
+    callbacks = trainer._create_default_callbacks()
+    assert callbacks and not any(isinstance(cb, PlacementGroupCleanerCallback) for cb in callbacks)
+    assert any(isinstance(cb, PlacementGroupCleanerCallback) for cb in TorchTrainer(
+        lambda config: None, scaling_config=ScalingConfig(num_workers=1))._create_default_callbacks())
 
 
 def test_resume_never_refuses_an_existing_run(reference, tmp_path):
@@ -262,28 +319,165 @@ def _sharded_model(cfg: config_lib.RunConfig):
     return model, optimizer
 
 
+def _identity(uri: str) -> dict:
+    """The run identity a checkpoint was saved with: a resume of the same run presents it unchanged."""
+    return json.load(open(f"{uri}/{checkpoint_lib.STATE}"))["identity"]
+
+
 def test_unreadable_checkpoints_fail_naming_the_path(reference, tmp_path, single_process):
-    cfg = _config(tmp_path, "broken", scaling={"num_workers": 1})
+    # 2 workers x accum 1 -> 1 worker x accum 2: the same global batch, so the same run.
+    cfg = _config(tmp_path, "broken", scaling={"num_workers": 1}, train={"grad_accum_steps": 2})
     broken = str(tmp_path / "checkpoint_00000020")
     shutil.copytree(f"{reference}/checkpoint_00000020", broken)
+    identity = _identity(broken)
     model, optimizer = _sharded_model(cfg)
-    assert checkpoint_lib.restore(broken, model, optimizer, cfg)["step"] == 20  # intact: loads (2 -> 1 worker)
+    assert checkpoint_lib.restore(broken, model, optimizer, cfg, identity)["step"] == 20  # intact: loads
     shard = f"{broken}/__1_0.distcp"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    with pytest.raises(checkpoint_lib.CheckpointError, match=f"checkpoint {broken}: cannot be read"):
-        checkpoint_lib.restore(broken, model, optimizer, cfg)
+    # Unverified (restore alone): DCP fails, and the error carries the rank's own cause, not only its number.
+    with pytest.raises(checkpoint_lib.CheckpointError, match=f"checkpoint {broken}: cannot be read \\(rank 0: \\w+"):
+        checkpoint_lib.restore(broken, model, optimizer, cfg, identity)
+    # Verified: the truncated shard is named with the rank that wrote it.
+    [problem] = checkpoint_lib.verify(broken)
+    assert problem.startswith("__1_0.distcp (written by rank 1): content differs from its checksum")
     other = _config(tmp_path, "other", scaling={"num_workers": 1},
                     model={"overrides": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64}})
     model, optimizer = _sharded_model(other)
     with pytest.raises(checkpoint_lib.CheckpointError, match=f"{reference}/checkpoint_00000020: saved for another"):
-        checkpoint_lib.restore(f"{reference}/checkpoint_00000020", model, optimizer, other)
+        checkpoint_lib.restore(f"{reference}/checkpoint_00000020", model, optimizer, other, identity)
     # An interrupted save (no _COMPLETE marker) is never resumed from, and an explicit start point is refused.
     os.remove(f"{broken}/_COMPLETE")
     assert checkpoint_lib.list_checkpoints(str(tmp_path)) == [(20, broken, False)]
     assert checkpoint_lib.latest_complete(str(tmp_path)) is None
-    with pytest.raises(checkpoint_lib.CheckpointError, match="incomplete"):
-        checkpoint_lib.find_resume_point(_config(tmp_path, "x", checkpoint={"resume": broken}), str(tmp_path), "torchrun")
+    with pytest.raises(checkpoint_lib.CheckpointError, match=f"resume: {broken}: incomplete"):
+        checkpoint_lib.find_resume_point(_config(tmp_path, "x", checkpoint={"resume": broken}), str(tmp_path / "x"))
+
+
+def _save(step: int, model, optimizer, cfg, run_dir: str, identity: dict) -> None:
+    """One complete save (staged, written, finished), as the loop's checkpointer does it."""
+    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    try:
+        checkpointer.save(step, model, optimizer)
+        checkpointer.finish()
+    finally:
+        checkpointer.close()
+
+
+def _save_steps(cfg, run_dir: str, steps):
+    model, optimizer = _sharded_model(cfg)
+    identity = {"tokenizer": "t", "data": "d", "seq_len": cfg.train.seq_len, "seed": cfg.train.seed,
+                "global_batch": cfg.train.micro_batch_size}
+    for step in steps:
+        _save(step, model, optimizer, cfg, run_dir, identity)
+    return model, optimizer, identity
+
+
+def _corrupt(path: str, seed: int = 0) -> None:
+    """Random bytes over 64 bytes in the middle of a file (size unchanged), as a bad disk or copy would."""
+    import random
+
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(random.Random(seed).randbytes(64))
+
+
+def test_corrupt_shard_is_skipped_and_never_outlives_a_good_checkpoint(tmp_path, single_process):
+    """Drill "corrupt a shard": random bytes inside the newest checkpoint's .distcp. The resume names the file
+    and the rank that wrote it, resumes from the newest verified checkpoint instead, marks the bad one, and
+    pruning never removes the verified one; with no verified checkpoint left, the run refuses to start."""
+    cfg = _config(tmp_path, "corrupt", scaling={"num_workers": 1}, checkpoint={"keep_last": 2})
+    run_dir = str(tmp_path / "runs" / "corrupt")
+    model, optimizer, identity = _save_steps(cfg, run_dir, (4, 8, 12))
+    names = sorted(os.listdir(f"{run_dir}/checkpoint_00000012/checksums"))
+    assert names == ["rank00000.json"]
+    listed = json.load(open(f"{run_dir}/checkpoint_00000012/checksums/rank00000.json"))["files"]
+    shards = {f for f in os.listdir(f"{run_dir}/checkpoint_00000012") if f.endswith(".distcp")}
+    assert "__0_0.distcp" in shards and set(listed) == {*shards, ".metadata", "rng/rank00000.pt"}
+    assert checkpoint_lib.verify(f"{run_dir}/checkpoint_00000012") == []
+
+    _corrupt(f"{run_dir}/checkpoint_00000012/__0_0.distcp")
+    uri, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
+    assert uri == f"{run_dir}/checkpoint_00000008"
+    [(step, reason)] = [(s["step"], s["reason"]) for s in skipped]
+    assert step == 12 and reason.startswith("__0_0.distcp (written by rank 0): content differs from its checksum")
+    assert os.path.exists(f"{run_dir}/checkpoint_00000012/_UNUSABLE")
+    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(8, True), (12, False)]
+    # The marked checkpoint is skipped on later resumes without being read again, with the first reason.
+    _, again = checkpoint_lib.find_resume_point(cfg, run_dir)
+    assert again[0]["reason"] == f"found unusable by an earlier resume: {reason}"
+    # keep_last 1: saving step 10 may delete 8, never the bad 12 in its place; saving 12 again replaces it.
+    _save(10, model, optimizer, _config(tmp_path, "corrupt", scaling={"num_workers": 1},
+                                                      checkpoint={"keep_last": 1}), run_dir, identity)
+    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(10, True), (12, False)]
+    _save(12, model, optimizer, cfg, run_dir, identity)
+    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(10, True), (12, True)]
+
+    # A latest checkpoint without its marker is skipped the same way (and recorded), not marked.
+    os.remove(f"{run_dir}/checkpoint_00000012/_COMPLETE")
+    uri, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
+    assert uri.endswith("checkpoint_00000010") and skipped[0]["reason"].startswith("incomplete (no _COMPLETE")
+    # Nothing usable left but complete checkpoints existed: refuse, listing each and why, with the command.
+    _corrupt(f"{run_dir}/checkpoint_00000010/rng/rank00000.pt")
+    with pytest.raises(checkpoint_lib.CheckpointError) as info:
+        checkpoint_lib.find_resume_point(cfg, run_dir)
+    message = str(info.value)
+    assert "none can be resumed from" in message and "rng/rank00000.pt (written by rank 0)" in message
+    assert f"rm -r {run_dir}/checkpoint_*" in message
+
+
+def test_failed_save_names_the_cause_and_removes_the_partial_checkpoint(tmp_path, single_process, monkeypatch):
+    """Drill "fill the disk", simulated (scripts/drills.sh disk-full fills a real tmpfs): the save's ENOSPC
+    surfaces as a CheckpointError naming the checkpoint, and no partial directory is left behind."""
+    import errno
+
+    cfg = _config(tmp_path, "full", scaling={"num_workers": 1})
+    run_dir = str(tmp_path / "runs" / "full")
+    model, optimizer, identity = _save_steps(cfg, run_dir, (4,))
+    write = checkpoint_lib.storage.write_atomic
+
+    def full_disk(uri, data):
+        if "/rng/" in uri:
+            raise OSError(errno.ENOSPC, "No space left on device", uri)
+        write(uri, data)
+
+    monkeypatch.setattr(checkpoint_lib.storage, "write_atomic", full_disk)
+    with pytest.raises(checkpoint_lib.CheckpointError) as info:
+        _save(8, model, optimizer, cfg, run_dir, identity)
+    assert str(info.value) == (
+        f"checkpoint {run_dir}/checkpoint_00000008: save failed (OSError: [Errno 28] No space left on device: "
+        f"'{run_dir}/checkpoint_00000008/rng/rank00000.pt'); the partial checkpoint was removed")
+    assert [s for s, _, _ in checkpoint_lib.list_checkpoints(run_dir)] == [4]
+
+
+def test_resume_refuses_another_run_naming_the_field(tmp_path, single_process):
+    """Drill "change the seed and resume": each identity field that differs is named; allow_changes opts in."""
+    cfg = _config(tmp_path, "same", scaling={"num_workers": 1})
+    run_dir = str(tmp_path / "runs" / "same")
+    model, optimizer, identity = _save_steps(cfg, run_dir, (4,))
+    uri = f"{run_dir}/checkpoint_00000004"
+    changed = {**identity, "seed": 1, "data": "other", "global_batch": 8}
+    with pytest.raises(checkpoint_lib.CheckpointError) as info:
+        checkpoint_lib.restore(uri, model, optimizer, cfg, changed)
+    message = str(info.value)
+    assert "data: differs" in message and "train.seed: checkpoint 0, now 1" in message
+    assert "global batch (train.micro_batch_size x train.grad_accum_steps x workers): checkpoint 4, now 8" in message
+    assert "checkpoint.allow_changes: [data, seed, global_batch]" in message
+    lenient = _config(tmp_path, "same", scaling={"num_workers": 1},
+                      checkpoint={"allow_changes": ["data", "seed", "global_batch"]})
+    assert checkpoint_lib.restore(uri, model, optimizer, lenient, changed)["step"] == 4
+
+
+def test_run_identity_follows_content_not_paths():
+    fingerprint = {"format": "text", "train": {"source": "/a/x.jsonl", "files": [{"path": "/a/x.jsonl", "sha256": "1"}]},
+                   "validation": {"none": True}, "tokenizer": {"sha256": "t"}, "packing": True, "seq_len": 64}
+    cfg = config_lib.load_dict(tiny_run_config(Path("/tmp")))
+    moved = json.loads(json.dumps(fingerprint).replace("/a/", "/b/"))
+    assert checkpoint_lib.run_identity(cfg, 2, fingerprint) == checkpoint_lib.run_identity(cfg, 2, moved)
+    edited = json.loads(json.dumps(fingerprint).replace('"1"', '"2"'))
+    assert checkpoint_lib.run_identity(cfg, 2, edited)["data"] != checkpoint_lib.run_identity(cfg, 2, fingerprint)["data"]
+    assert checkpoint_lib.run_identity(cfg, 2, fingerprint)["global_batch"] == 8
 
 
 def test_torchrun_layout_on_object_storage(tmp_path, single_process):
@@ -291,7 +485,8 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     cfg = _config(tmp_path, "mem", scaling={"num_workers": 1}, checkpoint={"keep_last": 2})
     run_dir = "memory://runs/mem"
     model, optimizer = _sharded_model(cfg)
-    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, "torchrun", torch.device("cpu"))
+    identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
+    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     for step in (4, 8, 12):
         rng = torch.get_rng_state()
         checkpointer.save(step, model, optimizer)  # finishes the previous save first
@@ -299,12 +494,12 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     checkpointer.finish()
     checkpointer.close()
     assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(8, True), (12, True)]
-    assert checkpoint_lib.find_resume_point(cfg, run_dir, "torchrun") == f"{run_dir}/checkpoint_00000012"
+    assert checkpoint_lib.find_resume_point(cfg, run_dir) == (f"{run_dir}/checkpoint_00000012", [])
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.manual_seed(123)
     fresh_model, fresh_optimizer = _sharded_model(_config(tmp_path, "mem", scaling={"num_workers": 1},
                                                           train={"seed": 5}))
-    state = checkpoint_lib.restore(f"{run_dir}/checkpoint_00000012", fresh_model, fresh_optimizer, cfg)
+    state = checkpoint_lib.restore(f"{run_dir}/checkpoint_00000012", fresh_model, fresh_optimizer, cfg, identity)
     assert state["step"] == 12
     for key, value in fresh_model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)

@@ -95,3 +95,67 @@ def test_json_schema_agrees_with_the_loader():
             assert sub.get("description"), f"{path}{key} has no description"
             walk(sub, f"{path}{key}.")
     walk(schema, "")
+
+
+def test_every_problem_is_reported_at_once_in_file_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "a/../../b",  # would escape storage_path
+        "model": {"preset": "qwen2-tiny", "init": "random", "train_tokenizer_vocab": 512},
+        "data": {"format": "text", "train": "builtin:python-docs", "validation_fraction": 0},
+        "eval": {"every_steps": 5},
+        "train": {"max_steps": 10, "warmup_steps": 2},
+        "checkpoint": {"every_steps": 50},
+    }, sort_keys=False))
+    with pytest.raises(ConfigError) as info:
+        config_lib.load(str(path), ["train.micro_batch_size=2"])
+    fields = [m.split(":")[0] for m in info.value.messages]
+    # checkpoint.export is left at its default: it sorts where its section starts.
+    assert fields == ["name", "eval.every_steps", "checkpoint.export", "checkpoint.every_steps"]
+    assert str(info.value).count("\n") == 3
+    # Type errors are collected the same way (before the cross-field checks, which need a typed config).
+    with pytest.raises(ConfigError) as info:
+        load_with(train={"seq_len": "abc", "lr": "fast"}, scaling={"use_gpu": "yes"})
+    assert [m.split(":")[0] for m in info.value.messages] == ["train.seq_len", "train.lr", "scaling.use_gpu"]
+
+
+@pytest.mark.parametrize("name", ["a/../../b", "../up", "/abs", ".hidden", "a/b", "with space"])
+def test_run_name_cannot_leave_storage_path(name):
+    with pytest.raises(ConfigError, match="^name: .* must be one directory name"):
+        load_with(name=name)
+
+
+def test_resume_changes_are_opt_in_by_name():
+    assert load_with().checkpoint.allow_changes == []
+    assert load_with(checkpoint={"allow_changes": ["seed", "data"]}).checkpoint.allow_changes == ["seed", "data"]
+    with pytest.raises(ConfigError, match=r"checkpoint.allow_changes\[0\]: expected 'tokenizer' \| 'data'"):
+        load_with(checkpoint={"allow_changes": ["model"]})
+
+
+def test_driver_reports_every_problem_before_any_worker(tmp_path, capsys):
+    """`python -m job` exits 2 listing each problem of the storage and the model, one line each."""
+    from job.__main__ import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**VALID, "storage_path": str(blocker),
+                                    "model": {**VALID["model"], "overrides": {"num_attention_heads": 5}},
+                                    "train": {"seq_len": 9000}}))
+    assert main(["--config", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[1].strip() for line in lines] == ["storage_path", "model.overrides", "model.overrides",
+                                                               "train.seq_len"]
+    assert f"cannot create and write the run directory {blocker}/r (NotADirectoryError" in lines[0]
+    assert lines[1].endswith("hidden_size 128 is not divisible by num_attention_heads 5")
+    assert lines[3].endswith("train.seq_len: 9000 is beyond the model's max_position_embeddings (4096)")
+
+
+def test_help_lists_the_commands(capsys):
+    from job.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("compare RUN_A RUN_B", "report RUN_DIR", "accept EXPORT_DIR", "schema"):
+        assert command in out
