@@ -96,17 +96,6 @@ def latest_complete(run_dir: str) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _digest(uri: str) -> dict:
-    """sha256 and size of a file's content as storage holds it (read back, in 8 MiB pieces)."""
-    fs, path = storage.filesystem(uri)
-    h, size = hashlib.sha256(), 0
-    with fs.open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-            size += len(chunk)
-    return {"sha256": h.hexdigest(), "bytes": size}
-
-
 def write_checksums(uri: str, rank: int) -> None:
     """Writes `checksums/rank<r>.json` into checkpoint `uri`: sha256 and size of every file this rank wrote
     (its DCP shards `__<rank>_*.distcp`, rank 0 also `.metadata`, and its RNG file), read back from storage,
@@ -116,7 +105,7 @@ def write_checksums(uri: str, rank: int) -> None:
     if rank == 0:
         names.append(".metadata")
     names.append(f"rng/rank{rank:05d}.pt")
-    files = {name: _digest(storage.join(uri, name)) for name in names}
+    files = {name: storage.digest(storage.join(uri, name)) for name in names}
     storage.write_atomic(storage.join(uri, CHECKSUMS, f"rank{rank:05d}.json"),
                          json.dumps({"rank": rank, "files": files}, indent=1))
 
@@ -140,7 +129,7 @@ def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
             continue
         for name, expected in files.items():
             try:
-                found = _digest(storage.join(uri, name))
+                found = storage.digest(storage.join(uri, name))
             except FileNotFoundError:
                 problems.append(f"{name} (written by rank {writer}): missing")
                 continue

@@ -78,8 +78,9 @@ def weights_fingerprint(cfg: ModelConfig) -> dict:
     """What the model's weights were: for pretrained weights in a local directory, the sha256 of every weight
     file and of `config.json` (and the directory's `PROVENANCE.json`, as written by scripts/prepare_model.py);
     for a hub id, the id and revision; for a random init, the architecture source (the seed is in the record)."""
-    import hashlib
     import json
+
+    from . import storage
 
     if cfg.init == "random":
         return {"init": "random", "preset": cfg.preset, "path": cfg.path, "overrides": cfg.overrides}
@@ -87,15 +88,8 @@ def weights_fingerprint(cfg: ModelConfig) -> dict:
     if not os.path.isdir(cfg.path):
         return {**out, "revision": cfg.revision, "source": "hub"}
 
-    def sha256(path: str) -> str:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        return h.hexdigest()
-
     names = sorted(n for n in os.listdir(cfg.path) if n.endswith(WEIGHT_SUFFIXES) or n == "config.json")
-    out["files"] = {n: sha256(os.path.join(cfg.path, n)) for n in names}
+    out["files"] = {n: storage.digest(os.path.join(cfg.path, n))["sha256"] for n in names}
     provenance = os.path.join(cfg.path, "PROVENANCE.json")
     if os.path.exists(provenance):
         with open(provenance) as f:

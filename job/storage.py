@@ -9,6 +9,7 @@ after a crash, never sees half a file.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 
@@ -58,6 +59,17 @@ def read_bytes(uri: str) -> bytes:
 
 def read_text(uri: str) -> str:
     return read_bytes(uri).decode("utf-8")
+
+
+def digest(uri: str) -> dict:
+    """sha256 and size of a file's content as storage holds it (read back in 16 MiB pieces)."""
+    fs, path = filesystem(uri)
+    h, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"sha256": h.hexdigest(), "bytes": size}
 
 
 def write_atomic(uri: str, data: bytes | str) -> None:

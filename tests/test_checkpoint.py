@@ -482,7 +482,7 @@ def test_run_identity_follows_content_not_paths():
 
 def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     """The torchrun path (no Ray) on an fsspec object store: save, keep_last, resume scan, exact restore."""
-    cfg = _config(tmp_path, "mem", scaling={"num_workers": 1}, checkpoint={"keep_last": 2})
+    cfg = _config(tmp_path, "mem", scaling={"num_workers": 1}, checkpoint={"keep_last": 2, "async_save": True})
     run_dir = "memory://runs/mem"
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
