@@ -22,7 +22,15 @@ def _fake_run(run_dir: Path, monkeypatch, with_record=True):
                      "mfu": 0.30 + step / 1000, "peak_mem_gib": 12.5})
         if step % 10 == 0:
             rows.append({"kind": "eval", "step": step, "eval_loss": {10: 3.25, 20: 3.5}[step], "eval_ppl": 26.0})
-    rows.append({"kind": "task_eval", "step": 20, "task": "arithmetic", "exact_match": 0.75, "n": 40})
+    question = {"question": "Question: 2 + 2?", "expected": "4"}
+    rows.insert(1, {"kind": "eval", "step": 0, "eval_loss": 6.0, "eval_ppl": 403.4})
+    rows.insert(2, {"kind": "task_eval", "step": 0, "task": "arithmetic", "exact_match": 0.25, "n": 40,
+                    "examples": [{**question, "got": "five", "correct": False}]})
+    rows.append({"kind": "task_eval", "step": 20, "task": "arithmetic", "exact_match": 0.75, "n": 40,
+                 "examples": [{**question, "got": "2 + 2 = 4 | #### 4", "correct": True}]})
+    time = {"wall_s": 100.0, "goodput": 0.6, "checkpoint_blocking_s": [0.5, 0.75],
+            "phases_s": {"startup": 20.0, "train": 60.0, "eval": 5.0, "export": 15.0, "other": 0.0}}
+    rows.append({"kind": "time", "step": 20, **time})
     rows.append({"kind": "sample", "step": 20, "prompt": "hi", "text": "hello"})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if with_record:
@@ -31,7 +39,8 @@ def _fake_run(run_dir: Path, monkeypatch, with_record=True):
         rec = evidence.start_record(str(run_dir), config=config, config_text="model: ...\n", seed=7,
                                     pods=[{"digest": "unknown", "reason": "not running in Kubernetes"}], env={})
         evidence.finish_record(str(run_dir), rec, dataset={"source": "shared/data/tiny.jsonl", "rows": 128},
-                               tokenizer_sha256="ab" * 32, checkpoints={"dir": str(run_dir / "checkpoints")})
+                               tokenizer_sha256="ab" * 32, checkpoints={"dir": str(run_dir / "checkpoints")},
+                               time=time)
 
 
 def test_report_writes_markdown_and_pngs(tmp_path, monkeypatch, capsys):
@@ -50,9 +59,13 @@ def test_report_writes_markdown_and_pngs(tmp_path, monkeypatch, capsys):
     assert "| final eval loss | 3.5 |" in text and "| best eval loss | 3.25 (step 10) |" in text
     assert "| tokens/s per device | 2008 |" in text  # median of steps 11..20
     assert "| MFU | 31.6% |" in text and "| peak memory (GiB) | 12.5 |" in text
-    assert "| arithmetic | 20 | 0.75 | 40 |" in text
+    # Before and after: the first and the last evaluation, and the same question's generations side by side.
+    assert "| | step 0 | step 20 |" in text and "| held-out loss | 6 | 3.5 |" in text
+    assert "| exact match | 0.25 | 0.75 |" in text and "| task examples scored | 40 | 40 |" in text
+    assert "| Question: 2 + 2? | 4 | ✗ five | ✓ 2 + 2 = 4 \\| #### 4 |" in text
+    assert "| train | 60.0 | 60.0% |" in text and "goodput **60.0%**" in text and "(s): 0.50, 0.75." in text
     assert "not running in Kubernetes" in text
-    plots = ["loss.png", "throughput.png", "mfu.png"]
+    plots = ["loss.png", "throughput.png", "mfu.png", "task.png", "time.png"]
     for name in plots:
         assert f"![{name[:-4]}]({name})" in text
         data = (out / name).read_bytes()
