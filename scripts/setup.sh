@@ -12,8 +12,17 @@ install() {  # venv-dir python requirements-file
 }
 case "${1:-}" in
   --image)
-    python=${PYTHON_IMAGE:-$(command -v python3.13 || echo /root/.pyenv/versions/3.13.0/bin/python)}
-    [[ -x "$python" ]] || { echo "setup: no Python 3.13 at $python (set PYTHON_IMAGE)" >&2; exit 1; }
+    # The first Python 3.13 that runs: on PATH, else pyenv's (a pyenv shim for a version that is not selected exists
+    # on PATH but fails to run, so each candidate is tried, not just looked up).
+    python=${PYTHON_IMAGE:-}
+    if [[ -z "$python" ]]; then
+      for candidate in python3.13 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13*/bin/python3.13; do
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 13)' 2>/dev/null; then
+          python=$candidate; break
+        fi
+      done
+    fi
+    [[ -n "$python" ]] || { echo "setup: no Python 3.13 found (set PYTHON_IMAGE to one)" >&2; exit 1; }
     install .venv-image "$python" requirements-image.txt ;;
   --dev)
     install .venv "${PYTHON:-python3}" requirements-dev.txt
