@@ -85,7 +85,8 @@ class MetricsLogger:
 # Kernel (GPU) or operator (CPU) name fragments -> category; first match wins, on lower-cased names.
 PHASES = ("startup", "data", "model", "resume", "warmup", "train", "eval", "checkpoint", "task_eval", "export")
 """Where a run's wall time goes, in the order a run meets them (`Timeline`). `startup`: from the driver's start to
-the worker's (Ray, scheduling, imports) and the preflight; `data`: reading and tokenizing; `model`: building or
+the worker's (Ray, scheduling, imports) and the preflight (after a worker-group restart, the earlier attempts'
+whole time too: their recomputed work is lost time); `data`: reading and tokenizing; `model`: building or
 loading, sharding, optimizer; `resume`: loading a checkpoint; `warmup`: the first step's time beyond a typical
 step (compilation, allocator warm-up); `train`: every other training step; `eval`: held-out loss; `checkpoint`:
 the time saves held training up; `task_eval`: generation and scoring; `export`: gathering, writing and the
