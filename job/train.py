@@ -234,7 +234,7 @@ def train(run: Run) -> None:
             writes_done = float(run.checkpointer.write_done())
             totals = torch.stack([loss_sum, target_sum, torch.tensor(writes_done, device=device)])
             dist.all_reduce(totals)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            grad_norm = full(grad_norm)
             mean_loss = (totals[0] / totals[1]).item()  # syncs with the device, so the interval below is real
             check_finite(step, mean_loss, grad_norm.item())
             tokens_per_s_device = interval_tokens / (time.perf_counter() - interval_start)
@@ -306,7 +306,7 @@ class NonFiniteError(RuntimeError):
 
 def finite_probe(loss_sum: torch.Tensor, grad_norm) -> tuple[float, float]:
     """The running loss sum and the last gradient norm as host numbers (a sync; only before a save)."""
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    grad_norm = full(grad_norm)
     totals = torch.stack([loss_sum.float(), grad_norm.float()])
     dist.all_reduce(totals)
     return totals[0].item(), totals[1].item()
@@ -317,6 +317,16 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
         raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {grad_norm}: training diverged; nothing was "
                              "saved from this point; lower train.lr or raise train.warmup_steps, then resume from the "
                              "last checkpoint")
+
+
+def full(tensor):
+    """A DTensor's full value (the gradient norm is one when FSDP shards the gradients); any other tensor as is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def unsharded_copy(run: Run):
+    """The model gathered into a plain copy on this rank, in the dtype training computes in (collective)."""
+    return gathered_copy(run.model, torch.bfloat16 if run.bf16 else torch.float32, run.device)
 
 
 def log_eval(run: Run, step: int) -> float | None:
@@ -333,7 +343,7 @@ def run_task_eval(run: Run, step: int, lm=None) -> None:
     """Task evaluation at `step` on an unsharded copy of the model (`lm`, or gathered here)."""
     with run.timeline.phase("task_eval"):
         start = time.perf_counter()
-        lm = lm if lm is not None else gathered_copy(run.model, torch.bfloat16 if run.bf16 else torch.float32, run.device)
+        lm = lm if lm is not None else unsharded_copy(run)
         result = task_evaluate(lm, run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world, run.device, step)
         result["seconds"] = time.perf_counter() - start
     run.task_results.append(result)
@@ -361,7 +371,7 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
         lm = None
         if task_due or export_due or cfg.eval.sample_prompt is not None:
             with run.timeline.phase("export"):
-                lm = gathered_copy(run.model, torch.bfloat16 if run.bf16 else torch.float32, run.device)
+                lm = unsharded_copy(run)
         if task_due:
             run_task_eval(run, cfg.train.max_steps, lm)
         if cfg.eval.sample_prompt is not None:
