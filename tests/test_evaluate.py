@@ -120,6 +120,52 @@ def test_stopping_at_eos_generates_what_full_length_generation_cut_at_eos_does()
     assert len({len(cut(r)) for r in full}) > 1, "rows should end at different steps"
 
 
+@pytest.mark.image_set
+def test_grouped_decode_attention_is_repeated_key_value_attention_and_generation_uses_it(monkeypatch):
+    """`sdpa_grouped_decode` against attention over explicitly repeated key/value heads (what Transformers' SDPA
+    path computes with a mask), for a left-padded decode step; then a generation through it, token for token the
+    same as the stock SDPA path's, with every decode step going through the grouped branch."""
+    torch.manual_seed(0)
+    batch, kv_heads, groups, length, dim = 3, 2, 3, 9, 8
+    query = torch.randn(batch, kv_heads * groups, 1, dim)
+    key, value = torch.randn(2, batch, kv_heads, length, dim)
+    mask = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+    mask[1, ..., :4] = False  # a left-padded row
+    module = torch.nn.Module()
+    module.num_key_value_groups = groups
+    out, _ = E.sdpa_grouped_decode(module, query, key, value, mask, scaling=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
+    assert out.shape == (batch, 1, kv_heads * groups, dim)
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                         num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True, initializer_range=0.5)
+    ids = torch.randint(3, 300, (4, 10))
+    pad = torch.ones_like(ids)
+    pad[1, :3] = pad[3, :6] = 0
+    stock = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    reference = stock.generate(input_ids=ids, attention_mask=pad, max_new_tokens=12, do_sample=False,
+                               cache_implementation="static", disable_compile=True, pad_token_id=0)
+    grouped_steps = []
+    real = E.sdpa_grouped_decode
+
+    def counting(module, query, *args, **kwargs):
+        grouped_steps.append(query.shape[2] == 1)
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(E, "sdpa_grouped_decode", counting)
+    lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    lm.load_state_dict(stock.state_dict())
+    out = E.greedy_generate(lm, ids, pad, 12, eos_token_id=None, pad_token_id=0)
+    assert lm.config._attn_implementation == E.GROUPED_DECODE
+    assert torch.equal(out, reference)
+    assert grouped_steps.count(True) == 11 * config.num_hidden_layers  # every decode step after the prefill
+
+
 class FixedAnswerLM(torch.nn.Module):
     """Stands in for the unsharded LM: answers '#### 7' for every prompt, records each generate call."""
 
