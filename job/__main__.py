@@ -93,10 +93,18 @@ def main(argv: list[str] | None = None) -> int:
 def _accept(argv: list[str]) -> int:
     """`python -m job accept EXPORT_DIR`: the fresh-process check of an export (see export.accept)."""
     parser = argparse.ArgumentParser(prog="python -m job accept", description="Check an exported model.")
-    parser.add_argument("export_dir", help="local export directory holding reference.json")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("export_dir", nargs="?", help="local export directory holding reference.json")
+    where.add_argument("--wait", action="store_true",
+                       help="prepare (imports, device), then read the export directory from standard input")
     args = parser.parse_args(argv)
-    from .export import accept
+    from .export import accept, prepare_acceptance
 
+    if args.wait:
+        prepare_acceptance()
+        args.export_dir = sys.stdin.readline().strip()
+        if not args.export_dir:  # the export was called off
+            return 0
     result = accept(args.export_dir)
     print(json.dumps(result, indent=1))
     return 0 if result["ok"] else 1

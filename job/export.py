@@ -11,6 +11,10 @@ gather for both), in the dtype training computed in (bf16 on GPU), so the reload
 trained one did. The acceptance check runs in a new interpreter (`python -m job accept EXPORT_DIR`): nothing of
 the training process (FSDP, hooks, in-memory weights) can leak into it. It reads the held-out blocks from the
 export instead of rebuilding the dataset, and checks that the tokenizer reloads with the same vocabulary.
+
+That interpreter is started (`AcceptanceProcess`) before the export is written, as the final task evaluation
+begins: its start, imports and CUDA initialization (seconds) overlap with that evaluation, and it is given the
+export directory, and reads it, only once every file is written.
 """
 
 from __future__ import annotations
@@ -42,12 +46,46 @@ class ExportError(RuntimeError):
     """The exported model failed its fresh-process acceptance check."""
 
 
+class AcceptanceProcess:
+    """The fresh interpreter of the acceptance check (`python -m job accept --wait`), started ahead of the export:
+    it imports what it needs and initializes the device, then waits for `check` to send it the export directory."""
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen([sys.executable, "-m", "job", "accept", "--wait"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, stderr=self._stderr, env=env, text=True)
+
+    def check(self, export_dir: str) -> str:
+        """Has the process check `export_dir` (it writes `acceptance.json` there) and waits for it; returns its
+        exit status and the tail of its stderr: the cause, when it wrote no `acceptance.json`."""
+        try:
+            self._proc.communicate(export_dir + "\n")
+        except BrokenPipeError:  # it died before reading its input
+            self._proc.wait()
+        self._stderr.seek(0)
+        return f"acceptance process exited {self._proc.returncode}: {self._stderr.read()[-2000:]}"
+
+    def close(self) -> None:
+        """Ends the process if no check was asked of it (e.g. the final task evaluation failed)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._stderr.close()
+
+
+def start_acceptance() -> AcceptanceProcess | None:
+    """The acceptance process, on rank 0 (the rank that writes and checks the export); None on the others."""
+    return AcceptanceProcess() if dist.get_rank() == 0 else None
+
+
 def export(lm, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference: dict, heldout: data_lib.Blocks,
-           batches: list[list[int]]) -> dict:
-    """Rank 0 writes `<run>/export/` from the unsharded `lm` and checks it in a fresh process (collective: the
-    result reaches every rank). `reference` holds the final in-training held-out loss and how it was measured;
-    `batches` are the micro-batches of `heldout` it was measured on. Raises `ExportError` on every rank when the
-    check fails."""
+           batches: list[list[int]], acceptance: AcceptanceProcess | None) -> dict:
+    """Rank 0 writes `<run>/export/` from the unsharded `lm` and has `acceptance` (its `start_acceptance()`)
+    check it (collective: the result reaches every rank). `reference` holds the final in-training held-out loss
+    and how it was measured; `batches` are the micro-batches of `heldout` it was measured on. Raises
+    `ExportError` on every rank when the check fails."""
     result = None
     if dist.get_rank() == 0:
         if torch.cuda.is_available():
@@ -55,7 +93,7 @@ def export(lm, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference: di
             # activations' memory), or it runs out of memory after a run that filled the GPU.
             torch.cuda.empty_cache()
         try:
-            result = _write_and_accept(lm, tokenizer, cfg, run_dir, reference, heldout, batches)
+            result = _write_and_accept(lm, tokenizer, cfg, run_dir, reference, heldout, batches, acceptance)
         except Exception as e:  # reported on every rank below, so no rank waits forever
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     box = [result]
@@ -68,9 +106,10 @@ def export(lm, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference: di
 
 
 def _write_and_accept(lm, tokenizer, cfg, run_dir: str, reference: dict, heldout: data_lib.Blocks,
-                      batches: list[list[int]]) -> dict:
+                      batches: list[list[int]], acceptance: AcceptanceProcess) -> dict:
     from safetensors.torch import save_file
 
+    start = time.perf_counter()
     final = storage.join(run_dir, EXPORT_DIR)
     stage = tempfile.mkdtemp(prefix="export-") if storage.is_remote(run_dir) else f"{final}.partial"
     shutil.rmtree(stage, ignore_errors=True)
@@ -85,15 +124,15 @@ def _write_and_accept(lm, tokenizer, cfg, run_dir: str, reference: dict, heldout
     reference = {**reference, "tokenizer_vocabulary_sha256": vocabulary_sha256(tokenizer)}
     with open(os.path.join(stage, "reference.json"), "w") as f:
         json.dump({**reference, "batch_sizes": [len(b) for b in batches], "config": config_lib.to_dict(cfg)}, f, indent=1)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "job", "accept", stage], env=env, capture_output=True, text=True)
+    written = time.perf_counter()
+    outcome = acceptance.check(stage)
     try:
         with open(os.path.join(stage, "acceptance.json")) as f:
             result = json.load(f)
     except FileNotFoundError:
-        result = {"ok": False, "error": f"acceptance process exited {proc.returncode}: {proc.stderr[-2000:]}"}
+        result = {"ok": False, "error": outcome}
     result["export_dir"] = final
+    result.setdefault("timings", {}).update(write_s=written - start, check_s=time.perf_counter() - written)
     with open(os.path.join(stage, "acceptance.json"), "w") as f:
         json.dump(result, f, indent=1)
     if result.get("ok"):
@@ -135,30 +174,52 @@ def export_is_valid(run_dir: str, step: int) -> bool:
         return False
 
 
+def prepare_acceptance() -> None:
+    """What `accept` needs before it has an export to read: its imports and the device's initialization."""
+    import safetensors.torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    from . import evaluate, model  # noqa: F401
+
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+
+
 def accept(export_dir: str) -> dict:
     """The acceptance check, run in a fresh process: reload the export with `from_pretrained`, compute the
     held-out loss on the blocks the final in-training evaluation used, check the tokenizer, and generate greedily.
     Writes `acceptance.json` beside the export; `ok` is whether the loss matches within
-    `checkpoint.export_tolerance`."""
+    `checkpoint.export_tolerance`; `timings` says where its seconds went."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .evaluate import greedy_generate
     from .model import CausalLMWithLoss
 
+    clock = time.perf_counter()
+    timings = {}
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = now - clock
+        clock = now
+
     with open(os.path.join(export_dir, "reference.json")) as f:
         ref = json.load(f)
     cfg = config_lib.load_dict(ref["config"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result: dict = {"ok": False, "export_dir": export_dir, "reference_eval_loss": ref["eval_loss"],
-                    "tolerance": cfg.checkpoint.export_tolerance, "device": str(device)}
+                    "tolerance": cfg.checkpoint.export_tolerance, "device": str(device), "timings": timings}
     try:
         tokenizer = (AutoTokenizer.from_pretrained(export_dir)
                      if os.path.exists(os.path.join(export_dir, "tokenizer_config.json")) else None)
         if vocabulary_sha256(tokenizer) != ref["tokenizer_vocabulary_sha256"]:
             raise ExportError("the reloaded tokenizer's vocabulary or special tokens differ from the training tokenizer's")
-        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype="auto").to(device)
+        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype="auto", device_map=str(device))
         result["dtype"] = str(lm.dtype)
+        lap("load_s")
         model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
         blocks = load_file(os.path.join(export_dir, HELDOUT))
         totals = torch.zeros(2, dtype=torch.float64)
@@ -170,12 +231,14 @@ def accept(export_dir: str) -> dict:
                 loss_sum, n = model(**batch)
                 totals += torch.stack([loss_sum.double().cpu(), n.double().cpu()])
             loss = (totals[0] / totals[1]).item()
+            lap("heldout_s")
             if tokenizer is not None and cfg.eval.sample_prompt is not None:
                 prompt = tokenizer(cfg.eval.sample_prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
             else:
                 prompt = blocks["input_ids"][:1, :8]
             out = greedy_generate(lm, prompt.to(device), torch.ones_like(prompt).to(device), cfg.eval.sample_tokens,
                                   eos_token_id=None, pad_token_id=0)
+            lap("generate_s")
         new = out[0, prompt.shape[1]:].tolist()
         diff = abs(loss - ref["eval_loss"])
         result.update({

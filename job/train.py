@@ -364,10 +364,12 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
     checked export, while the last checkpoint's write goes on; that checkpoint is completed last, before the
     job reports success, also when the export fails. Returns the results for the run record."""
     cfg = run.cfg
-    accepted = None
+    accepted = acceptance = None
     try:
         export_due = cfg.checkpoint.export and not export_lib.export_is_valid(run.run_dir, cfg.train.max_steps)
         task_due = cfg.eval.task and run.start_step < cfg.train.max_steps  # a re-run of a finished run has it
+        if export_due:  # it gets ready while the task evaluation runs
+            acceptance = export_lib.start_acceptance()
         lm = None
         if task_due or export_due or cfg.eval.sample_prompt is not None:
             with run.timeline.phase("export"):
@@ -379,9 +381,11 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
             run.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
         if export_due:
             with run.timeline.phase("export"):
-                accepted = export(run, lm)
+                accepted = export(run, lm, acceptance)
         del lm
     finally:
+        if acceptance is not None:
+            acceptance.close()
         with run.timeline.phase("checkpoint"):
             complete_checkpoint(run)
     time_summary = run.timeline.summary()
@@ -398,7 +402,7 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
     return results
 
 
-def export(run: Run, lm) -> dict:
+def export(run: Run, lm, acceptance: export_lib.AcceptanceProcess | None) -> dict:
     """The checked export of the final model, against the final held-out loss (measured here when the loop did
     not, e.g. a finished run re-run, or on seeded random blocks for runs without a held-out split)."""
     cfg = run.cfg
@@ -410,10 +414,11 @@ def export(run: Run, lm) -> dict:
         run.final_eval = evaluate(run.model, heldout, cfg, run.rank, run.world, run.device)
     reference = {"eval_loss": run.final_eval, "step": cfg.train.max_steps, "world_size": run.world, "heldout": kind}
     batches = heldout_batches(len(heldout), run.world, cfg.train.micro_batch_size, cfg.eval.max_batches)
-    accepted = export_lib.export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches)
+    accepted = export_lib.export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches, acceptance)
     run.log({"kind": "export", "step": cfg.train.max_steps, "dir": accepted["export_dir"],
              "eval_loss": accepted["eval_loss"], "reference_eval_loss": run.final_eval,
-             "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"]})
+             "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"],
+             "timings": accepted["timings"]})
     return accepted
 
 

@@ -295,6 +295,29 @@ def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
     assert not result["ok"] and "checkpoint.export_tolerance" in result["error"]
 
 
+def test_acceptance_process_started_ahead_checks_what_it_is_sent(reference, tmp_path):
+    """The acceptance process the run starts before writing its export: it checks the directory it is sent (and
+    says where its time went), reports a crash with its stderr, and ends quietly when no check is asked of it."""
+    from job import export as X
+
+    copy = tmp_path / "export"
+    shutil.copytree(f"{reference}/export", copy)
+    os.remove(copy / "acceptance.json")
+    process = X.AcceptanceProcess()
+    assert process.check(str(copy)).startswith("acceptance process exited 0")
+    process.close()
+    result = json.load(open(copy / "acceptance.json"))
+    assert result["ok"] and set(result["timings"]) == {"load_s", "heldout_s", "generate_s"}
+
+    crashing = X.AcceptanceProcess()
+    assert "No such file or directory" in crashing.check(str(tmp_path / "missing"))
+    crashing.close()
+
+    unused = X.AcceptanceProcess()
+    unused.close()
+    assert unused._proc.returncode is not None
+
+
 # ---- Single-process checks (no Ray): unreadable checkpoints, object-store paths, the torchrun layout.
 
 
