@@ -78,6 +78,7 @@ def main() -> int:
     for path in args.paths.split(","):
         # `greedy_generate` switches the model to the grouped path; `stock` keeps it on Transformers' SDPA.
         evaluate.use_grouped_decode = switch_to_grouped if path == "grouped" else (lambda lm: None)
+        lm.set_attn_implementation("sdpa")
         seconds, result = synchronized_seconds(
             lambda: evaluate.task_evaluate(lm, tokenizer, items, eval_cfg, 0, 1, device, step=0), device)
         generations = [x["got"] for x in result["examples"]]
