@@ -29,10 +29,11 @@ import io
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from . import packages, storage
 from .config import DataConfig, SourceConfig, TrainConfig
@@ -601,6 +602,52 @@ class Dataset:
     """What was read: sources with file hashes or hub revisions, row counts, tokenizer name and hash, sizes."""
     validation_examples: list[dict] = field(default_factory=list)
     """Held-out examples (for task evaluation by generation)."""
+
+
+DATA_CACHE = "data_cache"
+"""`<run>/data_cache/<key>.pt`: the run's tokenized and packed data, built once per run (see `build_once`)."""
+
+
+def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer, run_dir: str) -> tuple[Dataset, str]:
+    """`build`, once per run rather than once per worker and attempt: rank 0 builds the dataset and writes it to
+    the run's storage, the other ranks (and every rank of a later attempt) read it back. Collective. Returns the
+    dataset and `"built"` or `"read"`.
+
+    The file's key is the data config, `seq_len`, seed and tokenizer hash: a run keeps training on the data it
+    first read (so a resumed attempt sees exactly the same blocks, even if a source file has changed since);
+    delete `<run>/data_cache/` to re-read the sources.
+    """
+    if cfg.format == "synthetic":
+        return build(cfg, train_cfg, tokenizer), "built"
+    key = hashlib.sha256(json.dumps({
+        "data": asdict(cfg), "seq_len": train_cfg.seq_len, "seed": train_cfg.seed,
+        "tokenizer": tokenizer_fingerprint(tokenizer, cfg.chat_template)["sha256"],
+    }, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    uri = storage.join(run_dir, DATA_CACHE, f"{key}.pt")
+    collective = dist.is_initialized() and dist.get_world_size() > 1
+    how = "read"
+    if not storage.exists(uri) and (not collective or dist.get_rank() == 0):
+        dataset, how = build(cfg, train_cfg, tokenizer), "built"
+        blob = io.BytesIO()
+        torch.save({"train": _blocks_dict(dataset.train), "validation": _blocks_dict(dataset.validation),
+                    "fingerprint": dataset.fingerprint, "validation_examples": dataset.validation_examples}, blob)
+        storage.write_atomic(uri, blob.getvalue())
+    if collective:
+        dist.barrier()  # rank 0 has written the file (a build error on rank 0 ends the attempt on every rank)
+    if how == "read":
+        saved = torch.load(io.BytesIO(storage.read_bytes(uri)), weights_only=True)
+        dataset = Dataset(_blocks(saved["train"]), _blocks(saved["validation"]), saved["fingerprint"],
+                          saved["validation_examples"])
+    return dataset, how
+
+
+def _blocks_dict(blocks: Blocks | None) -> dict | None:
+    return None if blocks is None else {"input_ids": blocks.input_ids, "labels": blocks.labels,
+                                        "position_ids": blocks.position_ids}
+
+
+def _blocks(saved: dict | None) -> Blocks | None:
+    return None if saved is None else Blocks(saved["input_ids"], saved["labels"], saved["position_ids"])
 
 
 def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer) -> Dataset:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as checkpoint_lib
+from . import compile_cache
 from . import config as config_lib
 from . import data as data_lib
 from . import evidence, nccl
@@ -106,6 +107,9 @@ class Run:
     logger: MetricsLogger | None
     """Rank 0's metrics log (None on the other ranks)."""
     task_items: list[dict] = field(default_factory=list)
+    compile_cache: str | None = None
+    """Where to keep the compiled code on the storage after the first step (None without `parallel.compile`, or
+    when this attempt loaded it from there)."""
     latest_checkpoint: str | None = None
     final_eval: float | None = None
     task_results: list[dict] = field(default_factory=list)
@@ -139,7 +143,7 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
     with timeline.phase("data"):
         tokenizer_json = loop_config.get("tokenizer_json")
         tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
-        dataset = data_lib.build(cfg.data, cfg.train, tokenizer)
+        dataset, data_cache = data_lib.build_once(cfg.data, cfg.train, tokenizer, run_dir)
     weights = in_background(weights_fingerprint, cfg.model) if record else dict
     if record:
         tokenizer_sha = (dataset.fingerprint.get("tokenizer") or {}).get("sha256")
@@ -147,6 +151,8 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
 
     # ---- Model: seeded init (or the pretrained weights) on the device, then FSDP2 shards it across the ranks.
     with timeline.phase("model"):
+        cache_uri = compile_cache.cache_uri(cfg, device) if cfg.parallel.compile else None
+        cache_state = compile_cache.load(cache_uri) if cache_uri else None  # before anything compiles
         with torch.device(device):
             lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
         arch = lm.config
@@ -182,9 +188,11 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
     run = Run(cfg, run_dir, device, rank, world, bf16, tokenizer, dataset, model, optimizer, schedule, batches,
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
+              compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
               latest_checkpoint=resume_from)
     run.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
-             "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint})
+             "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint,
+             "data_cache": data_cache, "compile_cache": cache_state})
     if resumed is not None or skipped:
         resume_record = {"step": start_step, "checkpoint": resume_from, "skipped": skipped}
         if resumed is not None:
@@ -226,6 +234,8 @@ def train(run: Run) -> None:
         if profiler:
             run.log({"kind": "profile", "step": step, **profiler.finish(run.run_dir, step)})
         if first_step_s is None:  # compilation and warm-up: the first step's time beyond a typical step
+            if run.compile_cache and run.rank == 0:  # everything the training step compiles has been compiled
+                compile_cache.save(run.compile_cache)
             run.timeline.sync()
             first_step_s = time.perf_counter() - loop_start
             run.checkpointer.prepare(run.model, run.optimizer)

@@ -284,6 +284,27 @@ def test_build_fingerprint_names_sources_hashes_counts_and_tokenizer(tokenizer):
     assert fp["train_blocks"] == len(ds.train) and len(ds.validation_examples) == 50
 
 
+def test_build_once_reads_back_what_it_built_and_rebuilds_for_other_settings(tokenizer, tmp_path):
+    """The run's data is built once and read back by later attempts, even after the source changed; another
+    seq_len or seed is another dataset."""
+    train = tmp_path / "train.jsonl"
+    write_jsonl(train, gsm8k_rows(30))
+    cfg = data_cfg(format="prompt_completion", columns={"prompt": "question", "completion": "answer"},
+                   train=str(train), validation=str(GSM8K / "test.jsonl"), max_rows=30)
+    first, how = D.build_once(cfg, config_lib.TrainConfig(seq_len=64), tokenizer, str(tmp_path / "run"))
+    assert how == "built" and len(list((tmp_path / "run" / D.DATA_CACHE).iterdir())) == 1
+    write_jsonl(train, gsm8k_rows(10))  # changed under the run: the run keeps the data it started with
+    again, how = D.build_once(cfg, config_lib.TrainConfig(seq_len=64), tokenizer, str(tmp_path / "run"))
+    assert how == "read"
+    for name in ("train", "validation"):
+        for field in ("input_ids", "labels", "position_ids"):
+            assert torch.equal(getattr(getattr(again, name), field), getattr(getattr(first, name), field))
+    assert again.fingerprint == first.fingerprint and again.validation_examples == first.validation_examples
+    for other in (config_lib.TrainConfig(seq_len=32), config_lib.TrainConfig(seq_len=64, seed=1)):
+        assert D.build_once(cfg, other, tokenizer, str(tmp_path / "run"))[1] == "built"
+    assert len(list((tmp_path / "run" / D.DATA_CACHE).iterdir())) == 3
+
+
 def test_missing_path_fails_fast_in_the_driver_naming_the_source(tmp_path):
     start = time.monotonic()
     proc = subprocess.run(
