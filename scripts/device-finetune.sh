@@ -9,7 +9,11 @@
 #                                               --set run.model.path=/tmp/models/MODEL and the data under .devdata/);
 #                                               only storage is overridden, plus the --set arguments (e.g. the drill
 #                                               --set debug.fail_at_step=180: the worker SIGKILLs itself, Ray restarts
-#                                               it, the run resumes from its last complete checkpoint)
+#                                               it, the run resumes from its last complete checkpoint).
+#                                               Env: NAME=gsm8k (the run's name), KEEP_RUNS=1 keeps the other runs
+#                                               and the runs' compile cache (/tmp/runs/.compile_cache), FRESH_LOCAL_CACHE=1
+#                                               empties the local compile caches first (a fresh pod's view)
+#   scripts/device-finetune.sh task-eval [ARGS]   scripts/bench_task_eval.py on that run config (one table)
 # Carry .whl (scripts/device-wheels.sh, plus gguf) for prepare and run; .devdata/part.bin alone for receive.
 # Logs and results go to $OUT.
 set -uo pipefail
@@ -24,17 +28,23 @@ case "${1:-}" in
     cat /tmp/gguf/part.* > "/tmp/gguf/$2.gguf" && rm -f /tmp/gguf/part.*
     python3 scripts/prepare_model.py "$2" --out /tmp/models --gguf "/tmp/gguf/$2.gguf" 2>&1 | grep -v '%|' | tail -n 3
     ls -la "/tmp/models/$2" ;;
-  run)
+  run|task-eval)
     source scripts/device-env.sh || exit 1
     python3 -c 'import sys, yaml
 run = [d["data"]["run.yaml"] for d in yaml.safe_load_all(sys.stdin) if d and d["kind"] == "ConfigMap" and "run.yaml" in d["data"]]
 open("/tmp/run.yaml", "w").write(run[0])' <.devdata/gsm8k-render.yaml || exit 1
-    rm -rf /tmp/runs
-    python3 -m job --config /tmp/run.yaml --set storage_path=/tmp/runs "${@:2}" >"$out/run.log" 2>&1
+    if [[ $1 == task-eval ]]; then
+      python3 scripts/bench_task_eval.py --config /tmp/run.yaml "${@:2}" 2>&1 | grep -v '%|'
+      exit "${PIPESTATUS[0]}"
+    fi
+    name=${NAME:-gsm8k}
+    if [[ ${KEEP_RUNS:-0} == 1 ]]; then rm -rf "/tmp/runs/$name"; else rm -rf /tmp/runs; fi
+    [[ ${FRESH_LOCAL_CACHE:-0} == 1 ]] && rm -rf /tmp/torchinductor_* ~/.triton/cache
+    python3 -m job --config /tmp/run.yaml --set storage_path=/tmp/runs --set "name=$name" "${@:2}" >"$out/run.log" 2>&1
     echo "exit $?"
-    cp /tmp/run.yaml /tmp/runs/gsm8k/run.json /tmp/runs/gsm8k/metrics.jsonl "$out/"
-    cp /tmp/runs/gsm8k/export/acceptance.json "$out/" 2>/dev/null
-    python3 scripts/finetune_summary.py "$out/run.log" /tmp/runs/gsm8k | tee "$out/summary.txt" ;;
+    cp /tmp/run.yaml "/tmp/runs/$name/run.json" "/tmp/runs/$name/metrics.jsonl" "$out/"
+    cp "/tmp/runs/$name/export/acceptance.json" "$out/" 2>/dev/null
+    python3 scripts/finetune_summary.py "$out/run.log" "/tmp/runs/$name" | tee "$out/summary.txt" ;;
   *)
-    echo "usage: $0 receive N | prepare MODEL | run [--set KEY=VALUE ...]" >&2; exit 2 ;;
+    echo "usage: $0 receive N | prepare MODEL | run [--set KEY=VALUE ...] | task-eval [ARGS]" >&2; exit 2 ;;
 esac

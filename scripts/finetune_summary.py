@@ -49,6 +49,8 @@ def main(log_path: str, run_dir: str) -> int:
             by_step[r["step"]].append(r["loss"])
     twice = {s: v for s, v in sorted(by_step.items()) if len(v) > 1}
     for r in rows:
+        if r["kind"] == "start":
+            print(f"start: data {r.get('data_cache')}, compile cache {r.get('compile_cache')}")
         if r["kind"] == "resume":
             print(f"resumed at step {r['step']} from {r['checkpoint']} (data_exact {r['data_exact']})")
     if twice:
@@ -59,7 +61,9 @@ def main(log_path: str, run_dir: str) -> int:
         if r["kind"] == "checkpoint":
             print(f"checkpoint {r['step']}: training blocked {r['blocking_s']:.2f} s, write {r['write_s']:.1f} s")
         if r["kind"] == "export":
-            print(f"export: reloaded loss {r['eval_loss']:.5f} vs {r['reference_eval_loss']:.5f} (|d| {r['abs_diff']:.2g})")
+            timings = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("timings") or {}).items())
+            print(f"export: reloaded loss {r['eval_loss']:.5f} vs {r['reference_eval_loss']:.5f} "
+                  f"(|d| {r['abs_diff']:.2g}); seconds: {timings}")
     t = record.get("time") or {}
     if t:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in t["phases_s"].items())
