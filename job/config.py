@@ -315,9 +315,13 @@ class PreflightConfig:
     """What the preflight must find, or the run fails before training starts."""
 
 
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A run name: one directory name, so `<storage_path>/<name>` stays inside `storage_path`."""
+
+
 @dataclass
 class RunConfig:
-    name: str = ""
+    name: str = constrained("", pattern=f"^({_RUN_NAME.pattern})?$")  # empty matches: the chart fills it in
     """Run name: checkpoints, metrics and the run record live under `<storage_path>/<name>/`. Re-running the
     same name resumes it. The chart sets it from the release name."""
     storage_path: str = "./runs"
@@ -454,9 +458,6 @@ def validate(cfg: RunConfig) -> None:
                       "set it to at most train.max_steps, or 0 to save only at the end")
     if errors:
         raise ConfigError(*_in_tree_order(errors))
-
-
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @functools.cache
