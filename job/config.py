@@ -287,7 +287,9 @@ class LoggingConfig:
     every_steps: int = constrained(10, minimum=1)
     """Log training metrics every N steps (the only host-device sync in the hot loop)."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
-    """Progress bar on rank 0's stderr; `auto` shows it only when attached to a terminal."""
+    """Progress bar of the training steps: under Ray the driver draws it (`ray.experimental.tqdm_ray`: the workers'
+    stderr is never a terminal), under torchrun rank 0 on its stderr; `auto` shows it only when that stream is a
+    terminal, so redirected output gets no bar redraws; `on` always."""
     peak_flops: Optional[float] = None
     """Peak dense bf16 FLOP/s per device for MFU; defaults to a table keyed by device name."""
 
