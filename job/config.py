@@ -287,7 +287,9 @@ class LoggingConfig:
     every_steps: int = constrained(10, minimum=1)
     """Log training metrics every N steps (the only host-device sync in the hot loop)."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
-    """Progress bar on rank 0's stderr; `auto` shows it only when attached to a terminal."""
+    """Progress bar of the training steps: under Ray the driver draws it (`ray.experimental.tqdm_ray`: the workers'
+    stderr is never a terminal), under torchrun rank 0 on its stderr; `auto` shows it only when that stream is a
+    terminal, so redirected output gets no bar redraws; `on` always."""
     peak_flops: Optional[float] = None
     """Peak dense bf16 FLOP/s per device for MFU; defaults to a table keyed by device name."""
 
@@ -315,9 +317,13 @@ class PreflightConfig:
     """What the preflight must find, or the run fails before training starts."""
 
 
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A run name: one directory name, so `<storage_path>/<name>` stays inside `storage_path`."""
+
+
 @dataclass
 class RunConfig:
-    name: str = ""
+    name: str = constrained("", pattern=f"^({_RUN_NAME.pattern})?$")  # empty matches: the chart fills it in
     """Run name: checkpoints, metrics and the run record live under `<storage_path>/<name>/`. Re-running the
     same name resumes it. The chart sets it from the release name."""
     storage_path: str = "./runs"
@@ -454,9 +460,6 @@ def validate(cfg: RunConfig) -> None:
                       "set it to at most train.max_steps, or 0 to save only at the end")
     if errors:
         raise ConfigError(*_in_tree_order(errors))
-
-
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @functools.cache

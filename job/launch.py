@@ -146,6 +146,10 @@ def connect_ray(cfg: config_lib.RunConfig) -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="WARNING")
+    if not sys.stderr.isatty():  # nor around the prefixes of the workers' progress bars the driver draws there
+        from ray.experimental import tqdm_ray
+
+        tqdm_ray.instance().should_colorize = False
     need = worker_resources(cfg)
     capacity = worker_capacity(need, [n["Resources"] for n in ray.nodes() if n["Alive"]], _autoscaler_groups())
     if capacity is not None and capacity < cfg.scaling.num_workers:
@@ -189,6 +193,12 @@ def _autoscaler_groups() -> list[tuple[dict, int]] | None:
     return [(dict(g.resources), g.max_count) for g in config.node_group_configs]
 
 
+def ray_loop_config(loop_config: dict) -> dict:
+    """The workers' `loop_config` under Ray, with whether the driver's stderr is a terminal: the workers' is
+    not, and the driver draws their progress bar (metrics.progress_style)."""
+    return {**loop_config, "launcher": "ray", "driver_tty": sys.stderr.isatty()}
+
+
 def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
@@ -198,7 +208,7 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     storage_path, name = loop_config["run_dir"].rsplit("/", 1)
     trainer = trainer_class(TorchTrainer)(
         train_loop,
-        train_loop_config={**loop_config, "launcher": "ray"},
+        train_loop_config=ray_loop_config(loop_config),
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,

@@ -46,6 +46,19 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> 
     return 6 * n_params + 12 * n_layers * hidden * seq_len
 
 
+def progress_style(setting: str, loop_config: dict) -> str | None:
+    """How rank 0 shows its progress bar (`logging.progress_bar`): `tqdm`, drawn by this process on its stderr;
+    `ray`, `ray.experimental.tqdm_ray`, whose state the worker prints and the Ray driver draws (a Ray worker's
+    stderr is a log file, never a terminal); or None. `auto` shows it when the stream it would be drawn on is a
+    terminal: under Ray the driver's stderr (`loop_config["driver_tty"]`, set by the launcher), else this
+    process's; redirected output gets no bar redraws."""
+    ray = loop_config.get("launcher") == "ray"
+    terminal = bool(loop_config.get("driver_tty")) if ray else sys.stderr.isatty()
+    if setting == "off" or (setting == "auto" and not terminal):
+        return None
+    return "ray" if ray else "tqdm"
+
+
 class MetricsLogger:
     """Writes metric records as JSON lines to stdout and to `<run_dir>/metrics.jsonl` (rank 0 only).
 
@@ -55,17 +68,22 @@ class MetricsLogger:
     are dropped, so steps recomputed after a resume appear once.
     """
 
-    def __init__(self, run_dir: str, max_steps: int, progress_bar: str, keep_until_step: int | None = None):
+    def __init__(self, run_dir: str, max_steps: int, progress_bar: str, keep_until_step: int | None = None,
+                 loop_config: dict | None = None):
         self.path = storage.join(run_dir, "metrics.jsonl")
         self.lines = storage.read_text(self.path).splitlines() if storage.exists(self.path) else []
         if keep_until_step is not None:
             self.lines = [line for line in self.lines if json.loads(line).get("step", 0) <= keep_until_step]
-        show = progress_bar == "on" or (progress_bar == "auto" and sys.stderr.isatty())
         self.bar = None
-        if show:
+        progress = progress_style(progress_bar, loop_config or {})
+        if progress == "ray":
+            from ray.experimental.tqdm_ray import tqdm as ray_tqdm
+
+            self.bar = ray_tqdm(total=max_steps, desc="train", unit="step", flush_interval_s=0)  # at log steps only
+        elif progress == "tqdm":
             from tqdm import tqdm
 
-            self.bar = tqdm(total=max_steps, file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=max_steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def log(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
@@ -75,7 +93,7 @@ class MetricsLogger:
         storage.write_atomic(self.path, "\n".join(self.lines) + "\n")
         if self.bar is not None and record.get("kind") == "train":
             self.bar.n = record["step"]
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}")
+            self.bar.set_description(f"train loss {record['loss']:.3f}")  # (tqdm_ray has no set_postfix)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -183,8 +183,8 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
         batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_micro)
 
     flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
-    logger = (MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar, keep_until_step=start_step)
-              if rank == 0 else None)
+    logger = (MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar, keep_until_step=start_step,
+                            loop_config=loop_config) if rank == 0 else None)
     run = Run(cfg, run_dir, device, rank, world, bf16, tokenizer, dataset, model, optimizer, schedule, batches,
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],

@@ -161,6 +161,16 @@ naming the field as the job does, prefixed with `run.`. Input: dict "ctx" $ "run
 {{- if and (not (kindIs "invalid" $d.chat_template)) (ne $d.format "chat") }}
 {{- fail "run.data.chat_template: only used with run.data.format: chat" }}
 {{- end }}
+{{- if and (kindIs "invalid" $d.validation) (eq (float64 $d.validation_fraction) 0.0) (kindIs "invalid" $e.task) }}
+{{- /* (the job's tree order: checkpoint before eval; with run.eval.task, its own rule below says it) */}}
+{{- $noHeldout := "needs held-out data: set run.data.validation or run.data.validation_fraction > 0" }}
+{{- if $r.checkpoint.export }}
+{{- fail (printf "run.checkpoint.export: the export's acceptance check (its held-out loss against the final evaluation's) %s, or set run.checkpoint.export: false" $noHeldout) }}
+{{- end }}
+{{- if gt (int $e.every_steps) 0 }}
+{{- fail (printf "run.eval.every_steps: evaluation %s" $noHeldout) }}
+{{- end }}
+{{- end }}
 {{- if not (kindIs "invalid" $e.task) }}
 {{- if not (has $d.format (list "prompt_completion" "chat")) }}
 {{- fail (printf "run.eval.task: needs run.data.format prompt_completion or chat, not %s" $d.format) }}
@@ -194,5 +204,9 @@ naming the field as the job does, prefixed with `run.`. Input: dict "ctx" $ "run
 {{- end }}
 {{- if and (not (kindIs "invalid" $e.sample_prompt)) (eq $d.format "synthetic") }}
 {{- fail "run.eval.sample_prompt: synthetic data has no tokenizer to encode a prompt" }}
+{{- end }}
+{{- $every := int $r.checkpoint.every_steps }}
+{{- if gt $every $maxSteps }}
+{{- fail (printf "run.checkpoint.every_steps: %d is longer than the run (run.train.max_steps %d), so no checkpoint would come before the last step; set it to at most run.train.max_steps, or 0 to save only at the end" $every $maxSteps) }}
 {{- end }}
 {{- end }}

@@ -3,6 +3,7 @@
 Needs the pinned helm (scripts/install-helm.sh) and ../shared/kuberay-crds/; no Kubernetes API server.
 """
 
+import inspect
 import json
 import os
 import posixpath
@@ -31,6 +32,7 @@ from chart_helpers import (
 )
 
 from job import __version__ as job_version
+from job import config as job_config
 from job.config import ConfigError, json_schema, load_dict
 
 PROFILE_COMMANDS = profile_commands()
@@ -288,6 +290,19 @@ CROSS_FIELD_SAMPLES = [
     ("resume blank", {"checkpoint": {"resume": " "}}, GPU_CLUSTER),
     ("resume from a path", {"checkpoint": {"resume": "/mnt/runs/a/checkpoint_00000050"}}, GPU_CLUSTER),
     ("no message sizes", {"preflight": {"sizes_mib": []}}, GPU_CLUSTER),
+    ("run name escaping storage_path", {"name": "a/../../b"}, GPU_CLUSTER),
+    ("run name with a slash", {"name": "a/b"}, GPU_CLUSTER),
+    ("run name ..", {"name": ".."}, GPU_CLUSTER),
+    ("run name starting with a dot", {"name": ".exp"}, GPU_CLUSTER),
+    ("run name with a space", {"name": "exp 1"}, GPU_CLUSTER),
+    ("run name of letters, digits, dots, dashes, underscores", {"name": "Exp.1_b-2..c"}, GPU_CLUSTER),
+    ("checkpoint interval longer than the run", {"checkpoint": {"every_steps": 101}}, GPU_CLUSTER),
+    ("checkpoint interval as long as the run", {"checkpoint": {"every_steps": 100}}, GPU_CLUSTER),
+    ("run shorter than the checkpoint interval", {"train": {"max_steps": 40, "warmup_steps": 5}}, GPU_CLUSTER),
+    ("run shorter, checkpoint only at the end", {"train": {"max_steps": 40, "warmup_steps": 5},
+                                                 "checkpoint": {"every_steps": 0}}, GPU_CLUSTER),
+    ("synthetic evaluation without a held-out fraction", {"data": {"validation_fraction": 0},
+                                                           "eval": {"every_steps": 10}}, GPU_CLUSTER),
     ("real data", REAL_DATA, GPU_CLUSTER),
 ]
 REAL_DATA_VARIANTS = [
@@ -307,6 +322,15 @@ REAL_DATA_VARIANTS = [
     ("chat template without chat", {"data": {"chat_template": "{{ messages }}"}}),
     ("task without held-out rows", {"data": {"validation_fraction": 0}}),
     ("task with a validation source", {"data": {"validation_fraction": 0, "validation": "/v.jsonl"}}),
+    ("no held-out data, export", {"data": {"validation_fraction": 0}, "eval": {"task": None}}),
+    ("no held-out data, evaluation", {"data": {"validation_fraction": 0}, "eval": {"task": None, "every_steps": 10},
+                                      "checkpoint": {"export": False}}),
+    ("no held-out data, evaluation and export", {"data": {"validation_fraction": 0},
+                                                 "eval": {"task": None, "every_steps": 10}}),
+    ("no held-out data, neither evaluation nor export", {"data": {"validation_fraction": 0}, "eval": {"task": None},
+                                                         "checkpoint": {"export": False}}),
+    ("no held-out fraction, a validation source", {"data": {"validation_fraction": 0, "validation": "/v.jsonl"},
+                                                   "eval": {"task": None, "every_steps": 10}}),
     ("validation fraction 1", {"data": {"validation_fraction": 1}}),
     ("empty column", {"data": {"columns": {"prompt": ""}}}),
     ("no tokenizer", {"model": {"init": "random", "preset": "qwen2-tiny", "path": None}}),
@@ -328,7 +352,8 @@ def job_verdict(override: dict, cluster) -> str:
     """'' when the job accepts the run config the chart would render, else its error."""
     _, scaling = cluster
     run = helm_merged(DEFAULT_RUN, override)
-    run = helm_merged(run, {"name": "exp1", "storage_path": "/mnt/runs", "scaling": scaling})
+    name = run.get("name") or "exp1"  # run.name, else the release name
+    run = helm_merged(run, {"name": name, "storage_path": "/mnt/runs", "scaling": scaling})
     try:
         load_dict(run)
     except ConfigError as e:
@@ -344,9 +369,16 @@ def chart_verdict(override: dict, cluster, tmp_path) -> str:
     return "" if result.returncode == 0 else result.stderr.split("Error: ", 1)[-1]
 
 
+def rule_fields() -> set[str]:
+    """The fields named by the job's own rules (`validate`'s `errors.append("<field>: ...")`, the field spelled
+    out): each must be the field a sample is rejected for, so a rule added to the job needs a sample here."""
+    source = inspect.getsource(job_config.validate) + inspect.getsource(job_config._validate_data)
+    return set(re.findall(r"errors\.append\(\s*f?[\"']([a-z_]+(?:\.[a-z_]+)*):", source))
+
+
 def test_chart_and_job_reject_the_same_run_configs(tmp_path):
     assert len(SAMPLES) >= 120
-    disagreements, rejected = [], 0
+    disagreements, rejected, rejected_for = [], 0, set()
     for name, override, cluster in SAMPLES:
         job, chart = job_verdict(override, cluster), chart_verdict(override, cluster, tmp_path)
         if bool(job) != bool(chart):
@@ -359,7 +391,10 @@ def test_chart_and_job_reject_the_same_run_configs(tmp_path):
                      or (names_field(chart, f"/run/{'/'.join(parent)}") and leaf in chart))
             if not named:
                 disagreements.append(f"{name}: the chart's error does not name {field}: {chart.strip()}")
+            rejected_for.add(field)
     assert not disagreements, "\n".join(disagreements)
+    assert {"name", "checkpoint.every_steps", "eval.every_steps", "checkpoint.export"} <= rule_fields()
+    assert rule_fields() <= rejected_for, f"rules of job.config.validate no sample is rejected for: {rule_fields() - rejected_for}"
     assert rejected > len(SAMPLES) / 3  # the sample exercises the rules, not only valid configs
 
 
@@ -718,6 +753,13 @@ def test_chart_metadata_is_publishable():
     values = yaml.safe_load((REPO / "values.yaml").read_text())
     assert images[0]["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
     assert all({"kind", "description"} <= set(c) for c in yaml.safe_load(chart["annotations"]["artifacthub.io/changes"]))
+    # What the repository cannot state truthfully (public address, people, logo, licence) is left empty, never
+    # invented, and docs/chart.md lists it for the team that publishes.
+    checklist = (REPO / "docs" / "chart.md").read_text().partition("## Before publishing")[2].partition("\n## ")[0]
+    for key in ("home", "sources", "maintainers", "icon"):
+        assert chart.get(key) or f"| `{key}` |" in checklist, f"Chart.yaml {key}: neither set nor in the checklist"
+    license = "artifacthub.io/license"
+    assert chart["annotations"].get(license) or f"`annotations: {license}`" in checklist
 
 
 def test_chart_version_tracks_the_job_package():

@@ -1,6 +1,14 @@
-"""The profiler's timeline arithmetic: busy time as a union over streams, and where the device sat idle."""
+"""The profiler's timeline arithmetic: busy time as a union over streams, and where the device sat idle; when
+the progress bar shows, and where it is drawn."""
 
-from job.metrics import device_timeline, idle_gap_lines
+import io
+import json
+import sys
+
+import pytest
+
+from job import launch
+from job.metrics import MetricsLogger, device_timeline, idle_gap_lines, progress_style
 
 
 def test_device_timeline_counts_overlap_once_and_finds_gaps():
@@ -25,3 +33,58 @@ def test_idle_gap_lines_names_the_host_span_at_resume_largest_first():
     assert first.split()[:2] == ["0.1", "0.18"] and "FSDP::pre_forward" in first and "all_gather -> attention" in first
     assert second.split()[:2] == ["0.4", "0.05"] and "Optimizer.step#AdamW.step" in second
     assert len(lines) == 5  # the 5 µs gap is below min_us
+
+
+class Stream(io.StringIO):
+    """A stderr that is, or is not, a terminal."""
+
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("setting, driver_tty, shown", [
+    ("auto", True, "ray"),  # the driver is on a terminal: it draws the bar the worker reports
+    ("auto", False, None),  # redirected: no bar redraws in the log
+    ("on", False, "ray"),
+    ("off", True, None),
+])
+def test_progress_bar_under_ray_follows_the_drivers_terminal(monkeypatch, setting, driver_tty, shown):
+    monkeypatch.setattr(sys, "stderr", Stream(driver_tty))
+    loop_config = launch.ray_loop_config({"run_dir": "/runs/a"})  # in the driver
+    monkeypatch.setattr(sys, "stderr", Stream(False))  # in a Ray worker: its stderr is a log file
+    assert progress_style(setting, loop_config) == shown
+
+
+@pytest.mark.parametrize("tty, shown", [(True, "tqdm"), (False, None)])
+def test_progress_bar_under_torchrun_follows_rank_0s_stderr(monkeypatch, tty, shown):
+    monkeypatch.setattr(sys, "stderr", Stream(tty))
+    assert progress_style("auto", {"launcher": "torchrun"}) == shown
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_redirected_stderr_gets_no_bar(monkeypatch, tmp_path, tty):
+    monkeypatch.setattr(sys, "stderr", Stream(tty))
+    logger = MetricsLogger(str(tmp_path), 10, "auto", loop_config={"launcher": "torchrun"})
+    logger.log({"kind": "train", "step": 5, "loss": 2.5})
+    logger.close()
+    drawn = sys.stderr.getvalue()
+    assert ("5/10" in drawn and "train loss 2.500" in drawn) if tty else drawn == ""
+
+
+def test_a_ray_worker_reports_its_bar_to_the_driver(monkeypatch, tmp_path, capsys):
+    ray = pytest.importorskip("ray")
+    from ray._private import worker
+    from ray.experimental.tqdm_ray import RAY_TQDM_MAGIC
+
+    monkeypatch.setattr(worker.global_worker, "mode", ray.WORKER_MODE)
+    monkeypatch.setattr(sys, "stderr", Stream(False))
+    logger = MetricsLogger(str(tmp_path), 10, "auto", loop_config={"launcher": "ray", "driver_tty": True})
+    logger.log({"kind": "train", "step": 5, "loss": 2.5})
+    logger.close()
+    states = [json.loads(line) for line in capsys.readouterr().out.splitlines() if RAY_TQDM_MAGIC in line]
+    assert states and states[-1]["x"] == 5 and states[-1]["total"] == 10 and states[-1]["closed"]
+    assert sys.stderr.getvalue() == ""  # the worker draws nothing itself
