@@ -405,13 +405,29 @@ def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> dict:
     """Name and sha256 of the tokenizer's full JSON (vocabulary, merges, normalisation, specials: the run
     record's `tokenizer_sha256`), and of the chat template in use, if any."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    text = backend.to_str() if backend is not None else json.dumps(_sorted_vocabulary(tokenizer))
     out = {"name": tokenizer.name_or_path or f"trained byte-level BPE ({len(tokenizer)} tokens)",
-           "vocab_size": len(tokenizer), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+           "vocab_size": len(tokenizer), "sha256": _sha256(text)}
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template:
-        out["chat_template_sha256"] = hashlib.sha256(str(template).encode()).hexdigest()
+        out["chat_template_sha256"] = _sha256(str(template))
     return out
+
+
+def vocabulary_sha256(tokenizer) -> str | None:
+    """sha256 of the vocabulary and the EOS/padding ids: what a tokenizer must keep through save and reload (its
+    JSON serialisation itself may change, so the export's check does not use `tokenizer_fingerprint`)."""
+    if tokenizer is None:
+        return None
+    return _sha256(json.dumps([_sorted_vocabulary(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id]))
+
+
+def _sorted_vocabulary(tokenizer) -> list[tuple[str, int]]:
+    return sorted(tokenizer.get_vocab().items())
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _eos(tokenizer) -> int:
