@@ -436,6 +436,12 @@ def _eos(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
+def pad_id(tokenizer) -> int:
+    """The id that fills padding (never a target, so any id the model embeds will do): the tokenizer's pad
+    token, else its EOS, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
 def tokenize_text(documents: list[str], tokenizer) -> TokenStream:
     """Language modelling: every token is a target; each document ends with EOS."""
     eos = _eos(tokenizer)
@@ -624,7 +630,7 @@ def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer) -> Dataset:
     if cfg.format == "synthetic":
         return Dataset(None, None, {"format": "synthetic", "seed": train_cfg.seed})
     train_ex, val_ex, val_info = read_examples(cfg, train_cfg.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos(tokenizer)
+    padding = pad_id(tokenizer)
     fingerprint = {
         "format": cfg.format,
         "train": train_ex.info,
@@ -640,9 +646,9 @@ def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer) -> Dataset:
             continue
         stream = tokenize(ex.items, cfg, tokenizer)
         if cfg.packing:
-            blocks = pack(stream, train_cfg.seq_len, pad_id)
+            blocks = pack(stream, train_cfg.seq_len, padding)
         else:
-            blocks, truncated = pad_documents(stream, train_cfg.seq_len, pad_id)
+            blocks, truncated = pad_documents(stream, train_cfg.seq_len, padding)
             fingerprint[f"{name}_truncated_documents"] = truncated
         fingerprint[f"{name}_tokens"] = int(stream.tokens.numel())
         fingerprint[f"{name}_target_tokens"] = int((blocks.labels != IGNORE_INDEX).sum())
