@@ -92,6 +92,11 @@ class SourceConfig:
     """Split of an `hf:` source to read (e.g. `train`, `test`); only for `hf:` sources."""
 
 
+def is_hub_source(path: str) -> bool:
+    """`hf:owner/name`: a dataset on the Hugging Face hub, read with `datasets` (`hf://` is an fsspec file path)."""
+    return path.startswith("hf:") and not path.startswith("hf://")
+
+
 @dataclass
 class ColumnsConfig:
     text: str = constrained("text", minLength=1)
@@ -527,7 +532,7 @@ def _validate_data(cfg: RunConfig, errors: list[str]) -> None:
             continue
         if not src.path:
             errors.append(f"data.{key}.path: required (a file, directory, URI or hf:owner/name)")
-        hub = src.path.startswith("hf:") and not src.path.startswith("hf://")
+        hub = is_hub_source(src.path)
         if hub and src.path.count("/") != 1:
             errors.append(f"data.{key}.path: expected hf:owner/name, got {src.path!r}")
         if not hub:

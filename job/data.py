@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from . import packages, storage
-from .config import DataConfig, SourceConfig, TrainConfig
+from .config import DataConfig, SourceConfig, TrainConfig, is_hub_source
 
 IGNORE_INDEX = -100
 """Label value that carries no loss (matches `torch.nn.functional.cross_entropy`'s default)."""
@@ -106,7 +106,7 @@ def load_source(src: SourceConfig, key: str, max_rows: int = 0) -> Rows:
 
         docs = [(f"builtin:python-docs:{name}", topics.topics[name]) for name in sorted(topics.topics)]
         return _limit(Rows(docs, {"source": src.path, "python": sys.version.split()[0], "sha256": _hash_texts(docs)}), max_rows)
-    if packages.is_hub_source(src.path):
+    if is_hub_source(src.path):
         return _limit(_load_hub(src, key, max_rows), max_rows)
     return _limit(_load_files(src.path, key, max_rows), max_rows)
 

@@ -26,7 +26,7 @@ def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
     """The config with local relative paths made absolute, as the workers do not share the driver's working
     directory. Model and tokenizer paths change only where they exist locally (otherwise they are hub ids)."""
     cfg = copy.deepcopy(cfg)
-    local = lambda p: p is not None and "://" not in p and not p.startswith(("hf:", "builtin:"))  # noqa: E731
+    local = lambda p: p is not None and "://" not in p and not config_lib.is_hub_source(p) and not p.startswith("builtin:")  # noqa: E731
     if local(cfg.storage_path):
         cfg.storage_path = os.path.abspath(cfg.storage_path)
     if cfg.checkpoint.resume not in ("auto", "never") and local(cfg.checkpoint.resume):
