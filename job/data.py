@@ -136,7 +136,7 @@ def _load_files(path: str, key: str, max_rows: int) -> Rows:
         raise DataError(f"{key}: cannot open {path}: {type(e).__name__}: {e}") from None
     if not exists:
         raise DataError(f"{key}: source not found: {path}")
-    remote = "://" in path
+    remote = storage.is_remote(path)
     if fs.isdir(fs_path):
         names = sorted(fs.find(fs_path))
         files = [n for n in names if n.endswith(ROW_SUFFIXES + TEXT_SUFFIXES)]
