@@ -18,6 +18,7 @@ plus a ``reason`` instead of raising.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import json
@@ -35,6 +36,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Mapping
 
+from .config import ExpectConfig, PreflightConfig
 from .nccl import worker_transport
 
 UNKNOWN = "unknown"
@@ -408,24 +410,14 @@ def _bench_group(group, n: int, device, sizes_mib, iters: int, warmup: int) -> d
             for op in ("all_reduce", "all_gather")}
 
 
-def _expect_dict(expect) -> dict:
-    if expect is None:
-        return {"transport": None, "min_busbw_gbps": None}
-    if isinstance(expect, Mapping):
-        return {"transport": expect.get("transport"), "min_busbw_gbps": expect.get("min_busbw_gbps")}
-    return {"transport": getattr(expect, "transport", None), "min_busbw_gbps": getattr(expect, "min_busbw_gbps", None)}
-
-
-def run_preflight(cfg, device, *, log_dir: str | None = None, hostname: str | None = None) -> dict | None:
+def run_preflight(cfg: PreflightConfig, device, *, log_dir: str | None = None, hostname: str | None = None) -> dict | None:
     """Measure collectives on all ranks, collect every worker's evidence on rank 0, check it.
 
     Call on EVERY rank, after ``torch.distributed`` is initialised (NCCL on GPU with the CUDA
     device already set, gloo on CPU) and after :func:`nccl.enable_nccl_debug` if the transport
     should be read from NCCL's logs. Arguments:
 
-    * ``cfg``: has ``sizes_mib`` (list of sizes; on GPU e.g. [1, 16, 256, 1024]), ``iters``,
-      ``warmup`` and ``expect`` (with ``transport``: efa|ib|roce|socket|nvlink|nvls|p2p|shm
-      or None, and ``min_busbw_gbps``: float or None). Dataclass or dict.
+    * ``cfg``: the run's ``preflight`` section (sizes, iterations, expectations).
     * ``device``: the ``torch.device`` tensors live on (``cuda:<local rank>`` or ``cpu``).
     * ``log_dir``: where this worker's NCCL debug log is (the dir given to
       :func:`nccl.enable_nccl_debug`); ignored for gloo.
@@ -452,8 +444,7 @@ def run_preflight(cfg, device, *, log_dir: str | None = None, hostname: str | No
         backend = "nccl"
     elif "gloo" in backend:
         backend = "gloo"
-    sizes = list(_cfg(cfg, "sizes_mib", [1, 16, 256, 1024]))
-    iters, warmup = int(_cfg(cfg, "iters", 20)), int(_cfg(cfg, "warmup", 5))
+    sizes, iters, warmup = list(cfg.sizes_mib), cfg.iters, cfg.warmup
 
     environment = worker_environment(device)
     host = hostname or environment["hostname"]
@@ -511,9 +502,9 @@ def run_preflight(cfg, device, *, log_dir: str | None = None, hostname: str | No
                                for h, ranks in by_host.items() if len(ranks) > 1 and len(by_host) > 1},
                 "intra_node_skipped": skipped,
                 "workers": [{k: v for k, v in w.items() if k != "intra_node"} for w in gathered],
-                "expect": _expect_dict(_cfg(cfg, "expect", None)),
+                "expect": dataclasses.asdict(cfg.expect),
             }
-            failures = check_expectations(result, _cfg(cfg, "expect", None))
+            failures = check_expectations(result, cfg.expect)
         except Exception as exc:  # never leave the other ranks waiting for the verdict
             failures = [f"preflight internal error on rank 0: {exc!r}"]
         if result is not None:
@@ -526,17 +517,11 @@ def run_preflight(cfg, device, *, log_dir: str | None = None, hostname: str | No
     return result
 
 
-def _cfg(cfg, name: str, default):
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
-
-
 def _ranks_text(ranks: list[int]) -> str:
     return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"
 
 
-def check_expectations(result: dict, expect) -> list[str]:
+def check_expectations(result: dict, expect: ExpectConfig) -> list[str]:
     """Compare a preflight result with ``expect``; return one message per unmet expectation.
 
     * ``expect.transport``:
@@ -552,10 +537,9 @@ def check_expectations(result: dict, expect) -> list[str]:
     Messages name the setting, the expectation, what was measured, on which ranks, and the
     NCCL log line it came from.
     """
-    exp = _expect_dict(expect)
     failures: list[str] = []
     workers = result.get("workers") or []
-    wanted = exp["transport"]
+    wanted = expect.transport
     if wanted:
         wanted = str(wanted).lower()
         if wanted in NET_KINDS:
@@ -610,7 +594,7 @@ def check_expectations(result: dict, expect) -> list[str]:
         else:
             failures.append(f"preflight.expect.transport: unknown value {wanted!r} "
                             f"(one of {', '.join(NET_KINDS + INTRA_KINDS + ('gloo',))})")
-    floor = exp["min_busbw_gbps"]
+    floor = expect.min_busbw_gbps
     if floor is not None:
         rows = (result.get("all_ranks") or {}).get("all_reduce") or []
         n = result.get("world_size", 0)

@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from job import evidence, nccl, preflight
+from job.config import ExpectConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 SCHEMA = json.loads(Path(evidence.schema_path()).read_text())
@@ -120,18 +121,18 @@ def test_check_expectations_messages():
                           _worker(2, "efa", host="n1", net_line="NET/OFI Selected Provider is efa")],
               "all_ranks": {"all_reduce": [{"size_bytes": 2**20, "busbw_gbps": 50.0},
                                            {"size_bytes": 2**30, "busbw_gbps": 12.5}]}}
-    assert preflight.check_expectations(result, None) == []
-    assert preflight.check_expectations(result, {"transport": "efa"}) == [
+    assert preflight.check_expectations(result, ExpectConfig()) == []
+    assert preflight.check_expectations(result, ExpectConfig(transport="efa")) == [
         f"preflight.expect.transport: expected efa, NCCL used socket on ranks 0,1 ({socket_line})"]
-    assert preflight.check_expectations(result, {"transport": "p2p", "min_busbw_gbps": 10}) == []
-    [nvl] = preflight.check_expectations(result, {"transport": "nvlink"})
+    assert preflight.check_expectations(result, ExpectConfig(transport="p2p", min_busbw_gbps=10)) == []
+    [nvl] = preflight.check_expectations(result, ExpectConfig(transport="nvlink"))
     assert "expected nvlink" in nvl and "ranks 0,1" in nvl  # rank 2 is alone on its node
-    [bw] = preflight.check_expectations(result, {"min_busbw_gbps": 100})
+    [bw] = preflight.check_expectations(result, ExpectConfig(min_busbw_gbps=100))
     assert bw == ("preflight.expect.min_busbw_gbps: expected all_reduce busbw >= 100 GB/s at 1024 MiB "
                   "across 3 ranks, measured 12.500 GB/s")
-    [bad] = preflight.check_expectations(result, {"transport": "carrier-pigeon"})
+    [bad] = preflight.check_expectations(result, ExpectConfig(transport="carrier-pigeon"))
     assert "unknown value 'carrier-pigeon'" in bad
-    [gl] = preflight.check_expectations(result, {"transport": "gloo"})
+    [gl] = preflight.check_expectations(result, ExpectConfig(transport="gloo"))
     assert gl.startswith("preflight.expect.transport: expected gloo") and "ranks 0,1,2" in gl
 
 
@@ -204,6 +205,7 @@ def test_preflight_two_gloo_ranks(tmp_path):
     assert (result["backend"], result["world_size"], result["nodes"]) == ("gloo", 2, 1)
     assert "single node" in result["intra_node_skipped"] and result["intra_node"] == {}
     assert result["failures"] == []
+    assert (result["iters"], result["warmup"], result["expect"]) == (3, 1, {"transport": None, "min_busbw_gbps": None})
     for op, factor in (("all_reduce", 1.0), ("all_gather", 0.5)):  # 2(n-1)/n and (n-1)/n at n=2
         [row] = result["all_ranks"][op]
         assert row["size_bytes"] == 2**20
