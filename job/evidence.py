@@ -2,13 +2,13 @@
 
 Everything here answers "can I trust and reproduce this run?" and is written down in
 ``run.json`` at the top of the run directory ``<storage_path>/<run name>/``. The evidence
-itself comes from two other modules:
+itself comes from three other modules:
 
-* ``nccl``      -- NCCL transport: ask NCCL to log (``enable_nccl_debug``), read its logs back
-                  and turn them into a small dict (``parse_nccl_transport``); ``gloo_transport``
-                  for CPU runs.
-* ``preflight`` -- worker environment (``worker_environment``), image digest (``pod_image``) and
-                  the collective benchmark (``run_preflight``, ``check_expectations``).
+* ``environment`` -- worker inventory (``worker_environment``) and image digest (``pod_image``).
+* ``nccl``        -- NCCL transport: ask NCCL to log (``enable_nccl_debug``), read its logs back
+                    and turn them into a small dict (``parse_nccl_transport``); ``gloo_transport``
+                    for CPU runs.
+* ``preflight``   -- the collective benchmark (``run_preflight``, ``check_expectations``).
 
 Sections here (top to bottom):
 
@@ -58,7 +58,7 @@ from typing import Any, Iterable, Mapping
 
 from . import storage
 from .nccl import describe_transport
-from .preflight import UNKNOWN, job_version, worker_environment
+from .environment import UNKNOWN, job_version, worker_environment
 
 RUN_RECORD = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -159,7 +159,7 @@ def _transport_section(workers: list[dict]) -> dict:
 
 def _runtime_env_section(workers: list[dict]) -> dict:
     """The Ray runtime env of the job and what it installed at start, from every worker's inventory
-    (:func:`preflight.runtime_env_additions`; each worker's own is kept in its ``environment``)."""
+    (:func:`environment.runtime_env_additions`; each worker's own is kept in its ``environment``)."""
     reports = [w["environment"].get("runtime_env") or {} for w in workers]
     first = reports[0]
     return {
@@ -190,7 +190,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
       ``None`` -> only this process's environment is recorded.
     * ``dataset`` / ``tokenizer_sha256``: the data module's fingerprint dict and tokenizer
       hash, if already known (else pass them later to :func:`update_record`).
-    * ``pods``: :func:`preflight.pod_image` results to use instead of those in ``preflight`` (tests).
+    * ``pods``: :func:`environment.pod_image` results to use instead of those in ``preflight`` (tests).
     * ``env``: mapping to read the chart's env vars from (default ``os.environ``).
     """
     env = os.environ if env is None else env
