@@ -85,6 +85,21 @@ def test_parse_roce_plugin_and_old_formats():
     assert warn["warnings"] == ["NET/OFI Couldn't find any optimal provider"]
 
 
+def test_selected_network_prefers_nccls_own_line_then_channels_then_initialised_modules():
+    scan = nccl._LogScan(ib_devices=["mlx5_0:1/IB"], socket_devices=["eth0:10.0.0.1"], ib_line="NET/IB : Using ..")
+    assert nccl._selected_network(scan) == {"net_plugin": "IB", "net": "ib", "net_line": "NET/IB : Using ..",
+                                            "net_devices": ["mlx5_0:1/IB"], "net_link_layer": "IB"}
+    scan.net_via["Socket"] = 2
+    assert nccl._selected_network(scan)["net"] == "socket"
+    scan.plugins["Libfabric"], scan.plugin_line["Libfabric"], scan.provider = 1, "Using network Libfabric", "efa"
+    assert nccl._selected_network(scan) == {"net_plugin": "Libfabric", "net": "efa", "net_line": "Using network Libfabric",
+                                            "net_devices": []}
+
+
+def test_gloo_entry_has_every_key_of_an_nccl_entry():
+    assert list(nccl.gloo_transport()) == list(nccl.parse_nccl_transport(""))
+
+
 def test_nccl_debug_env_and_log_reader(tmp_path, monkeypatch):
     env = nccl.nccl_debug_env(str(tmp_path))
     assert env["NCCL_DEBUG"] == "INFO"
