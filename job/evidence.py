@@ -16,29 +16,10 @@ Sections here (top to bottom):
                       ``load_record``, ``read_metrics``, ``summarize_metrics``.
 2. Compare          -- ``compare_records`` / ``compare_main`` (``python -m job compare A B``).
 
-How the training loop uses the three modules (every worker runs ``train_loop``)::
-
-    from job import evidence, nccl
-    from job import preflight as preflight_lib
-
-    # (every rank) BEFORE the first collective -- NCCL reads NCCL_DEBUG* once, when it creates
-    # its first communicator, and PyTorch creates communicators lazily at the first collective.
-    nccl.enable_nccl_debug(nccl_log_dir)              # a LOCAL dir, e.g. /tmp/nccl-logs
-
-    # (every rank) after torch.distributed is initialised and the CUDA device is set
-    pre = preflight_lib.run_preflight(cfg.preflight, device, log_dir=nccl_log_dir)
-    #   -> full dict on rank 0, None elsewhere; raises preflight_lib.PreflightError on ALL ranks
-    #      when an expectation fails (rank 0's exception carries .result for the run record).
-
-    # (rank 0 only) right after preflight
-    record = evidence.start_record(run_dir, config=cfg_dict, config_text=cfg_yaml,
-                                   run_name=name, seed=cfg.seed, preflight=pre)
-    # (rank 0 only) once the data and tokenizer are built
-    evidence.update_record(run_dir, record, dataset=fingerprint, tokenizer_sha256=tok_hash)
-    # (rank 0 only) at the very end, or in the except branch with status="failed"
-    evidence.finish_record(run_dir, record, status="succeeded", evaluation=task_results,
-                           checkpoints={"dir": ckpt_dir, "latest": step_dir},
-                           export={"path": export_dir})
+Where they are used: `train.train_loop`, which every worker runs. It calls `nccl.enable_nccl_debug` before
+the first collective (NCCL reads its settings once, when it creates its first communicator), then
+`preflight.run_preflight` on every rank; rank 0 alone keeps the record (`start_record` after the preflight,
+`update_record` as training learns more, e.g. the data fingerprint, `finish_record` at the end or on failure).
 
 Nothing here needs a GPU, Kubernetes or network access (``s3://`` run directories aside): a
 value that cannot be known is ``"unknown"`` plus a ``reason`` instead of an exception.
