@@ -4,10 +4,10 @@ The same file drives every launcher: the local embedded run, torchrun, and the H
 `.Values.run` into a ConfigMap). Loading is strict, so a typo never silently falls back to a default:
 
 * unknown keys, wrong types and impossible combinations raise `ConfigError` naming the dotted path,
-  e.g. ``train.seq_len: expected int, got 'abc'``;
-* ``--set train.max_steps=20`` overrides go through the same checks (values are parsed as YAML scalars);
+  e.g. `train.seq_len: expected int, got 'abc'`;
+* `--set train.max_steps=20` overrides go through the same checks (values are parsed as YAML scalars);
 * `json_schema()` derives a JSON Schema from the same dataclasses (field docstrings become descriptions),
-  so the chart's ``values.schema.json`` validates ``run:`` with the rules Python applies.
+  so the chart's `values.schema.json` validates `run:` with the rules Python applies.
 """
 
 from __future__ import annotations

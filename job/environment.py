@@ -45,7 +45,7 @@ def _dist_version(name: str) -> str:
 
 
 def installed_packages() -> dict[str, str]:
-    """``{normalised distribution name: version}`` of everything importable, sorted by name."""
+    """`{normalised distribution name: version}` of everything importable, sorted by name."""
     packages = {}
     for dist in importlib.metadata.distributions():
         name = dist.metadata.get("Name")
@@ -55,7 +55,7 @@ def installed_packages() -> dict[str, str]:
 
 
 def _ray_runtime_env() -> dict:
-    """The job's runtime env as Ray reports it to this worker; ``{}`` outside a Ray worker (torchrun, tests)."""
+    """The job's runtime env as Ray reports it to this worker; `{}` outside a Ray worker (torchrun, tests)."""
     ray = sys.modules.get("ray")  # never import Ray here: a torchrun worker does not have it initialised
     if ray is None or not ray.is_initialized():
         return {}
@@ -66,7 +66,7 @@ def _ray_runtime_env() -> dict:
 
 
 def _requirements(spec) -> list[str]:
-    """The requirement strings of a runtime env ``pip``/``uv`` entry (a list, or ``{"packages": [...]}``;
+    """The requirement strings of a runtime env `pip`/`uv` entry (a list, or `{"packages": [...]}`;
     a requirements-file path stays as given)."""
     if isinstance(spec, Mapping):
         spec = spec.get("packages") or []
@@ -76,12 +76,12 @@ def _requirements(spec) -> list[str]:
 def runtime_env_additions(runtime_env: Mapping | None = None, *, site_packages: str | None = None) -> dict:
     """What the job's Ray runtime env asked of this worker, and what it installed when the worker started.
 
-    Ray installs a runtime env's ``pip``/``uv`` requirements at worker start into a virtualenv over the image's
+    Ray installs a runtime env's `pip`/`uv` requirements at worker start into a virtualenv over the image's
     packages: a requirement the image already satisfies is not installed again, one that is lives in that
-    virtualenv's site-packages, the site-packages of the worker's interpreter. ``runtime_env``: default
-    :func:`_ray_runtime_env`; ``site_packages``: default this interpreter's (tests pass both). Returns::
+    virtualenv's site-packages, the site-packages of the worker's interpreter. `runtime_env`: default
+    `_ray_runtime_env`; `site_packages`: default this interpreter's (tests pass both). Returns:
 
-        {"requested": {runtime env keys, Ray's internal ``_``-keys left out},
+        {"requested": {runtime env keys, Ray's internal `_`-keys left out},
          "requirements": ["s3fs==2026.4.0", ...],
          "packages": {name: {"requirement", "version", "installed_at_start"}},
          "installed_at_start": bool}
@@ -109,7 +109,7 @@ def runtime_env_additions(runtime_env: Mapping | None = None, *, site_packages: 
 
 
 def job_version() -> str:
-    """``job.__version__`` of the package this module belongs to, or ``"unknown"``."""
+    """`job.__version__` of the package this module belongs to, or `"unknown"`."""
     try:
         pkg = importlib.import_module(__package__) if __package__ else None
     except ImportError:
@@ -118,7 +118,7 @@ def job_version() -> str:
 
 
 def _nvidia_driver() -> tuple[str, str]:
-    """(driver version, how it was found); ``("unknown", reason)`` without an NVIDIA driver."""
+    """(driver version, how it was found); `("unknown", reason)` without an NVIDIA driver."""
     try:
         import pynvml  # type: ignore
 
@@ -157,9 +157,9 @@ def _cpu_model() -> str:
 def worker_environment(device=None, *, pod: bool = True) -> dict:
     """Describe this worker process: host, accelerators, driver and software versions.
 
-    ``device`` is the ``torch.device`` the worker trains on (``None``: CUDA if available).
-    ``pod=True`` also reads the image digest of this pod (:func:`pod_image`; returns at once
-    with ``unknown`` outside Kubernetes). Returns::
+    `device` is the `torch.device` the worker trains on (`None`: CUDA if available).
+    `pod=True` also reads the image digest of this pod (`pod_image`; returns at once
+    with `unknown` outside Kubernetes). Returns:
 
         {"hostname", "pid", "platform", "python",
          "accelerator": {"type": "cuda"|"cpu", "count", "names", "memory_gib"},
@@ -229,16 +229,16 @@ def pod_image(*, api_url: str | None = None, token_path: str | None = None, ca_p
               env: Mapping[str, str] | None = None, timeout: float = 5.0) -> dict:
     """Read this pod's Pod object and return the image it really runs.
 
-    ``GET {api}/api/v1/namespaces/{ns}/pods/{name}`` with the in-cluster service-account
-    token. Defaults: ``api_url`` from ``KUBERNETES_SERVICE_HOST``/``KUBERNETES_SERVICE_PORT``,
-    token and CA cert from ``/var/run/secrets/kubernetes.io/serviceaccount/``, namespace and
-    pod name from ``POD_NAMESPACE``/``POD_NAME`` (set by the chart through the downward API;
-    fallbacks: the service-account namespace file and ``HOSTNAME``). ``container``: the
-    container to report (default: the first whose name contains ``ray``, else the first).
-    The service account needs ``get`` on ``pods`` (the chart's RBAC).
+    `GET {api}/api/v1/namespaces/{ns}/pods/{name}` with the in-cluster service-account
+    token. Defaults: `api_url` from `KUBERNETES_SERVICE_HOST`/`KUBERNETES_SERVICE_PORT`,
+    token and CA cert from `/var/run/secrets/kubernetes.io/serviceaccount/`, namespace and
+    pod name from `POD_NAMESPACE`/`POD_NAME` (set by the chart through the downward API;
+    fallbacks: the service-account namespace file and `HOSTNAME`). `container`: the
+    container to report (default: the first whose name contains `ray`, else the first).
+    The service account needs `get` on `pods` (the chart's RBAC).
 
-    Returns ``{"image", "image_id", "digest": "sha256:...", "container", "pod", "namespace",
-    "node"}``; on any problem ``{"digest": "unknown", "reason": "..."}`` -- it never raises.
+    Returns `{"image", "image_id", "digest": "sha256:...", "container", "pod", "namespace",
+    "node"}`; on any problem `{"digest": "unknown", "reason": "..."}` -- it never raises.
     """
     env = os.environ if env is None else env
     if api_url is None:

@@ -2,13 +2,13 @@
 
 NCCL chooses its transports at run time (EFA through the aws-ofi-nccl plugin, InfiniBand or RoCE,
 plain sockets; NVLink, NVLS, P2P or shared memory within a node) and says so only in its debug log.
-This module asks NCCL to write that log (``enable_nccl_debug``), reads it back (``read_nccl_logs``)
-and turns it into a small dict (``parse_nccl_transport``); ``gloo_transport`` is the same dict for
-CPU runs, ``worker_transport`` picks the right one for this worker process, and
-``describe_transport`` prints one line for humans. ``preflight.run_preflight`` gathers every
-worker's dict; ``evidence`` writes them into the run record.
+This module asks NCCL to write that log (`enable_nccl_debug`), reads it back (`read_nccl_logs`)
+and turns it into a small dict (`parse_nccl_transport`); `gloo_transport` is the same dict for
+CPU runs, `worker_transport` picks the right one for this worker process, and
+`describe_transport` prints one line for humans. `preflight.run_preflight` gathers every
+worker's dict; `evidence` writes them into the run record.
 
-Nothing here needs a GPU or network access: a missing log gives ``net=None`` plus a ``reason``.
+Nothing here needs a GPU or network access: a missing log gives `net=None` plus a `reason`.
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ import os
 import re
 from typing import Mapping
 
-#: Subsystems we ask NCCL to log. INIT and NET give the version, the network plugin, its
-#: devices and the per-channel "via ..." lines; GRAPH adds the topology search result
-#: ("type NVL/PIX"), the only line that says NVLink in plain words; ENV echoes NCCL_* settings.
+# Subsystems we ask NCCL to log. INIT and NET give the version, the network plugin, its
+# devices and the per-channel "via ..." lines; GRAPH adds the topology search result
+# ("type NVL/PIX"), the only line that says NVLink in plain words; ENV echoes NCCL_* settings.
 NCCL_DEBUG_SUBSYS = "INIT,NET,GRAPH,ENV"
 
-#: Order in which intra-node paths are listed (fastest first).
+# Order in which intra-node paths are listed (fastest first).
 INTRA_NODE_ORDER = ("nvls", "nvlink", "p2p", "shm", "net", "socket")
 
 
 def nccl_debug_env(log_dir: str) -> dict[str, str]:
     """Environment variables that make NCCL write its INFO log to one file per process.
 
-    ``NCCL_DEBUG_FILE`` uses NCCL's own placeholders: ``%h`` = hostname, ``%p`` = pid, so
-    every worker process writes ``<log_dir>/nccl.<host>.<pid>.log``. ``log_dir`` must be a
+    `NCCL_DEBUG_FILE` uses NCCL's own placeholders: `%h` = hostname, `%p` = pid, so
+    every worker process writes `<log_dir>/nccl.<host>.<pid>.log`. `log_dir` must be a
     local directory (NCCL opens the file itself). The values only take effect if they are in
-    ``os.environ`` before NCCL creates its first communicator in this process -- see
-    :func:`enable_nccl_debug`.
+    `os.environ` before NCCL creates its first communicator in this process -- see
+    `enable_nccl_debug`.
     """
     return {
         "NCCL_DEBUG": "INFO",
@@ -46,13 +46,13 @@ def nccl_debug_env(log_dir: str) -> dict[str, str]:
 
 
 def enable_nccl_debug(log_dir: str) -> dict[str, str]:
-    """Create ``log_dir`` and put :func:`nccl_debug_env` into ``os.environ``; return it.
+    """Create `log_dir` and put `nccl_debug_env` into `os.environ`; return it.
 
     Call on every worker before its first collective. PyTorch creates NCCL communicators
-    lazily (at the first collective on a group), unless ``init_process_group`` was given
-    ``device_id=`` (eager init) -- in that case call this before ``init_process_group``, or
-    set the same variables through the Ray runtime env ``env_vars``. Setting them after NCCL
-    has initialised is silently ignored, and :func:`worker_transport` then says so.
+    lazily (at the first collective on a group), unless `init_process_group` was given
+    `device_id=` (eager init) -- in that case call this before `init_process_group`, or
+    set the same variables through the Ray runtime env `env_vars`. Setting them after NCCL
+    has initialised is silently ignored, and `worker_transport` then says so.
     """
     os.makedirs(log_dir, exist_ok=True)
     values = nccl_debug_env(log_dir)
@@ -61,14 +61,14 @@ def enable_nccl_debug(log_dir: str) -> dict[str, str]:
 
 
 def nccl_log_files(log_dir: str, *, pid: int | None = None, hostname: str | None = None) -> list[str]:
-    """Paths of NCCL debug logs in ``log_dir``, optionally only those of one host and/or pid."""
+    """Paths of NCCL debug logs in `log_dir`, optionally only those of one host and/or pid."""
     host_part = glob.escape(hostname) if hostname else "*"
     pid_part = str(pid) if pid is not None else "*"
     return sorted(glob.glob(os.path.join(glob.escape(log_dir), f"nccl.{host_part}.{pid_part}.log")))
 
 
 def read_nccl_logs(log_dir: str, *, pid: int | None = None, hostname: str | None = None) -> str:
-    """Concatenated text of the matching NCCL debug logs (``""`` when there are none)."""
+    """Concatenated text of the matching NCCL debug logs (`""` when there are none)."""
     parts = []
     for path in nccl_log_files(log_dir, pid=pid, hostname=hostname):
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -99,7 +99,7 @@ _RE_MESSAGE = re.compile(r"NCCL (INFO|WARN) (.*)$")
 
 
 def _message(line: str) -> tuple[str, str]:
-    """Split a raw log line into (level, message) dropping the ``host:pid:tid [dev]`` prefix."""
+    """Split a raw log line into (level, message) dropping the `host:pid:tid [dev]` prefix."""
     m = _RE_MESSAGE.search(line)
     if m:
         return m.group(1), m.group(2).strip()
@@ -107,7 +107,7 @@ def _message(line: str) -> tuple[str, str]:
 
 
 def _net_kind(plugin: str | None, provider: str | None) -> str | None:
-    """Map NCCL's network name (``Using network X`` / ``via NET/X/..``) to a short kind."""
+    """Map NCCL's network name (`Using network X` / `via NET/X/..`) to a short kind."""
     if not plugin:
         return provider
     name = plugin.lower()
@@ -121,10 +121,10 @@ def _net_kind(plugin: str | None, provider: str | None) -> str | None:
 
 
 def parse_nccl_transport(log_text: str) -> dict:
-    """Read NCCL ``NCCL_DEBUG=INFO`` output and say which transports NCCL really used.
+    """Read NCCL `NCCL_DEBUG=INFO` output and say which transports NCCL really used.
 
-    Works on stdout captures (with or without ``[1,3]<stdout>:`` or timestamp prefixes) and
-    on ``NCCL_DEBUG_FILE`` files, of one or several processes. Returns::
+    Works on stdout captures (with or without `[1,3]<stdout>:` or timestamp prefixes) and
+    on `NCCL_DEBUG_FILE` files, of one or several processes. Returns:
 
         {
           "backend": "nccl",
@@ -150,13 +150,13 @@ def parse_nccl_transport(log_text: str) -> dict:
           "lines": [the evidence lines, message part only, at most 40],
         }
 
-    How ``intra_node`` is decided: ``p2p`` if a channel goes via ``P2P/...`` (CUDA IPC /
-    cuMem / direct pointer), ``shm`` if via ``SHM/...`` (through host memory), ``nvls`` if
-    NVLink SHARP multicast is available or NVLS channels are set up, ``nvlink`` if the
-    topology search reports intra type ``NVL`` (GRAPH subsystem), the topology dump shows
-    ``NVL[..]`` links between GPUs, NVLS is in use, or P2P runs in ``/read`` mode (NCCL only
-    enables P2P read by default over NVLink). ``net`` is listed when a single-node
-    communicator still routes channels via ``NET/...``.
+    How `intra_node` is decided: `p2p` if a channel goes via `P2P/...` (CUDA IPC /
+    cuMem / direct pointer), `shm` if via `SHM/...` (through host memory), `nvls` if
+    NVLink SHARP multicast is available or NVLS channels are set up, `nvlink` if the
+    topology search reports intra type `NVL` (GRAPH subsystem), the topology dump shows
+    `NVL[..]` links between GPUs, NVLS is in use, or P2P runs in `/read` mode (NCCL only
+    enables P2P read by default over NVLink). `net` is listed when a single-node
+    communicator still routes channels via `NET/...`.
     """
     scan = _LogScan()
     for raw in log_text.splitlines():
@@ -365,9 +365,9 @@ def gloo_transport() -> dict:
     """Transport entry for the gloo backend (CPU runs and CPU tests).
 
     Gloo has no transport choice to make: every peer, on the same host or not, is reached
-    over TCP sockets on the interface ``GLOO_SOCKET_IFNAME`` (default: the address the
-    hostname resolves to). So ``net`` is ``"socket"`` and ``intra_node`` is ``["socket"]``.
-    Same keys as :func:`parse_nccl_transport`.
+    over TCP sockets on the interface `GLOO_SOCKET_IFNAME` (default: the address the
+    hostname resolves to). So `net` is `"socket"` and `intra_node` is `["socket"]`.
+    Same keys as `parse_nccl_transport`.
     """
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     line = f"gloo: TCP sockets on {iface or 'the interface of the hostname address'}"
@@ -378,11 +378,11 @@ def gloo_transport() -> dict:
 
 
 def worker_transport(backend: str, log_dir: str | None = None, *, pid: int | None = None) -> dict:
-    """Transport entry of this worker process, for the process-group ``backend`` in use.
+    """Transport entry of this worker process, for the process-group `backend` in use.
 
-    ``gloo`` -> :func:`gloo_transport`. ``nccl`` -> :func:`parse_nccl_transport` of this
-    process's NCCL log in ``log_dir`` (call after at least one collective). When there is no
-    log, ``net`` is ``None`` and ``reason`` says why.
+    `gloo` -> `gloo_transport`. `nccl` -> `parse_nccl_transport` of this
+    process's NCCL log in `log_dir` (call after at least one collective). When there is no
+    log, `net` is `None` and `reason` says why.
     """
     if "nccl" not in backend:
         entry = gloo_transport()
@@ -404,7 +404,7 @@ def worker_transport(backend: str, log_dir: str | None = None, *, pid: int | Non
 
 
 def describe_transport(t: Mapping | None) -> str:
-    """One line for humans, e.g. ``nccl 2.21.5: net=efa (Libfabric, 4 NICs, GDRDMA); intra-node=nvlink,p2p``."""
+    """One line for humans, e.g. `nccl 2.21.5: net=efa (Libfabric, 4 NICs, GDRDMA); intra-node=nvlink,p2p`."""
     if not t:
         return "unknown"
     if t.get("net") is None and t.get("reason"):

@@ -14,14 +14,14 @@ from .config import ExpectConfig, PreflightConfig
 from .environment import worker_environment
 from .nccl import worker_transport
 
-#: Values ``preflight.expect.transport`` understands.
+# Values `preflight.expect.transport` understands.
 NET_KINDS = ("efa", "ib", "roce", "socket")
 INTRA_KINDS = ("nvlink", "nvls", "p2p", "shm")
 
 
 class PreflightError(RuntimeError):
-    """Preflight expectations not met. Raised on every rank; ``failures`` lists the reasons,
-    ``result`` holds the full preflight dict on rank 0 (None elsewhere)."""
+    """Preflight expectations not met. Raised on every rank; `failures` lists the reasons,
+    `result` holds the full preflight dict on rank 0 (None elsewhere)."""
 
     def __init__(self, failures: list[str], result: dict | None = None):
         super().__init__("preflight failed:\n  - " + "\n  - ".join(failures))
@@ -62,7 +62,7 @@ def _sync(device) -> None:
 
 
 def _time_collective(op: str, size_bytes: int, group, n: int, device, iters: int, warmup: int) -> dict:
-    """Time one collective on ``group``; returns figures of the slowest rank (MAX of times)."""
+    """Time one collective on `group`; returns figures of the slowest rank (MAX of times)."""
     import torch
     import torch.distributed as dist
 
@@ -106,27 +106,27 @@ def _bench_group(group, n: int, device, sizes_mib, iters: int, warmup: int) -> d
 def run_preflight(cfg: PreflightConfig, device, *, log_dir: str | None = None, hostname: str | None = None) -> dict | None:
     """Measure collectives on all ranks, collect every worker's evidence on rank 0, check it.
 
-    Call on EVERY rank, after ``torch.distributed`` is initialised (NCCL on GPU with the CUDA
-    device already set, gloo on CPU) and after :func:`nccl.enable_nccl_debug` if the transport
+    Call on EVERY rank, after `torch.distributed` is initialised (NCCL on GPU with the CUDA
+    device already set, gloo on CPU) and after `nccl.enable_nccl_debug` if the transport
     should be read from NCCL's logs. Arguments:
 
-    * ``cfg``: the run's ``preflight`` section (sizes, iterations, expectations).
-    * ``device``: the ``torch.device`` tensors live on (``cuda:<local rank>`` or ``cpu``).
-    * ``log_dir``: where this worker's NCCL debug log is (the dir given to
-      :func:`nccl.enable_nccl_debug`); ignored for gloo.
-    * ``hostname``: override this rank's node identity (tests simulate several nodes on one
-      machine); default ``socket.gethostname()``.
+    * `cfg`: the run's `preflight` section (sizes, iterations, expectations).
+    * `device`: the `torch.device` tensors live on (`cuda:<local rank>` or `cpu`).
+    * `log_dir`: where this worker's NCCL debug log is (the dir given to
+      `nccl.enable_nccl_debug`); ignored for gloo.
+    * `hostname`: override this rank's node identity (tests simulate several nodes on one
+      machine); default `socket.gethostname()`.
 
     What it does: gathers hostnames to find nodes; times all_reduce and all_gather at every
     size across all ranks, then within each node that has >1 rank (a subgroup per host; only
     when there is more than one node, since otherwise "all ranks" already is intra-node);
     parses this worker's transport; gathers environment + transport to rank 0; rank 0 runs
-    :func:`check_expectations` and broadcasts the verdict, so every rank returns or raises
-    :class:`PreflightError` together. Sizes are the full buffer S of nccl-tests (all_gather:
+    `check_expectations` and broadcasts the verdict, so every rank returns or raises
+    `PreflightError` together. Sizes are the full buffer S of nccl-tests (all_gather:
     the gathered output); bandwidths are GB/s = 1e9 bytes/s as nccl-tests prints them, for the
     slowest rank. Returns the result dict on rank 0 (keys: backend, world_size, nodes, hosts,
     sizes_mib, iters, warmup, dtype, all_ranks, intra_node, intra_node_skipped, workers,
-    expect, failures, duration_s), ``None`` on other ranks.
+    expect, failures, duration_s), `None` on other ranks.
     """
     import torch.distributed as dist
 
@@ -215,16 +215,16 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def check_expectations(result: dict, expect: ExpectConfig) -> list[str]:
-    """Compare a preflight result with ``expect``; return one message per unmet expectation.
+    """Compare a preflight result with `expect`; return one message per unmet expectation.
 
-    * ``expect.transport``:
-      - ``efa`` / ``ib`` / ``socket``: every rank's transport ``net`` must be that kind
-        (``roce``: ``net == "ib"`` on RoCE ports). It is the network NCCL selected, whether or
+    * `expect.transport`:
+      - `efa` / `ib` / `socket`: every rank's transport `net` must be that kind
+        (`roce`: `net == "ib"` on RoCE ports). It is the network NCCL selected, whether or
         not a single-node run sends anything over it.
-      - ``nvlink`` / ``nvls`` / ``p2p`` / ``shm``: every rank that shares its node with
-        another rank must list it in ``intra_node``.
-      - ``gloo``: every rank's process group must be gloo (CPU runs).
-    * ``expect.min_busbw_gbps``: the all-ranks all_reduce busbw at the largest size (GB/s,
+      - `nvlink` / `nvls` / `p2p` / `shm`: every rank that shares its node with
+        another rank must list it in `intra_node`.
+      - `gloo`: every rank's process group must be gloo (CPU runs).
+    * `expect.min_busbw_gbps`: the all-ranks all_reduce busbw at the largest size (GB/s,
       nccl-tests units) must reach it.
 
     Messages name the setting, the expectation, what was measured, on which ranks, and the
