@@ -30,12 +30,15 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from . import packages, storage
 from .config import DataConfig, SourceConfig, TrainConfig, is_hub_source
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 IGNORE_INDEX = -100
 """Label value that carries no loss (matches `torch.nn.functional.cross_entropy`'s default)."""
@@ -365,7 +368,7 @@ def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def train_bpe_tokenizer(documents: list[str], vocab_size: int):
+def train_bpe_tokenizer(documents: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `documents` (deterministic), with `<|endoftext|>` as EOS and pad.
 
     It uses Qwen2's normalizer and pre-tokenizer: `AutoTokenizer` loads a tokenizer saved beside a Qwen2 config
@@ -393,7 +396,7 @@ def train_bpe_tokenizer(documents: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
 
 
-def tokenizer_from_json(text: str):
+def tokenizer_from_json(text: str) -> PreTrainedTokenizerFast:
     """Rebuilds a `train_bpe_tokenizer` tokenizer from its JSON (`tokenizer.backend_tokenizer.to_str()`)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -401,7 +404,7 @@ def tokenizer_from_json(text: str):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(text), eos_token=EOS, pad_token=EOS)
 
 
-def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> dict:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> dict:
     """Name and sha256 of the tokenizer's full JSON (vocabulary, merges, normalisation, specials: the run
     record's `tokenizer_sha256`), and of the chat template in use, if any."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -414,7 +417,7 @@ def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> dict:
     return out
 
 
-def vocabulary_sha256(tokenizer) -> str | None:
+def vocabulary_sha256(tokenizer: PreTrainedTokenizerBase | None) -> str | None:
     """sha256 of the vocabulary and the EOS/padding ids: what a tokenizer must keep through save and reload (its
     JSON serialisation itself may change, so the export's check does not use `tokenizer_fingerprint`)."""
     if tokenizer is None:
@@ -422,7 +425,7 @@ def vocabulary_sha256(tokenizer) -> str | None:
     return _sha256(json.dumps([_sorted_vocabulary(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id]))
 
 
-def _sorted_vocabulary(tokenizer) -> list[tuple[str, int]]:
+def _sorted_vocabulary(tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, int]]:
     return sorted(tokenizer.get_vocab().items())
 
 
@@ -430,26 +433,26 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _eos(tokenizer) -> int:
+def _eos(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise DataError("model.tokenizer: the tokenizer has no EOS token, needed to separate documents")
     return tokenizer.eos_token_id
 
 
-def pad_id(tokenizer) -> int:
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id that fills padding (never a target, so any id the model embeds will do): the tokenizer's pad
     token, else its EOS, else 0."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
-def tokenize_text(documents: list[str], tokenizer) -> TokenStream:
+def tokenize_text(documents: list[str], tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     """Language modelling: every token is a target; each document ends with EOS."""
     eos = _eos(tokenizer)
     ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
     return _concat([(doc + [eos], None) for doc in ids])
 
 
-def tokenize_prompt_completion(examples: list[dict], tokenizer) -> TokenStream:
+def tokenize_prompt_completion(examples: list[dict], tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     """Prompt and completion tokenized separately (so the boundary is exact, as at generation time); only the
     completion tokens and the EOS after them are targets."""
     eos = _eos(tokenizer)
@@ -458,7 +461,7 @@ def tokenize_prompt_completion(examples: list[dict], tokenizer) -> TokenStream:
     return _concat([(p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)) for p, c in zip(prompts, completions)])
 
 
-def render_chat(messages: list[dict], tokenizer, template: str | None, generation_prompt: bool = False) -> str:
+def render_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None, generation_prompt: bool = False) -> str:
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError("data.chat_template: the tokenizer has no chat template; set data.chat_template")
     return tokenizer.apply_chat_template(
@@ -466,7 +469,7 @@ def render_chat(messages: list[dict], tokenizer, template: str | None, generatio
     )
 
 
-def chat_ids_and_mask(messages: list[dict], tokenizer, template: str | None) -> tuple[list[int], list[bool]]:
+def chat_ids_and_mask(messages: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and the mask of assistant-turn tokens.
 
     Assistant turn i spans the characters between the rendering of messages[:i] with the generation prompt
@@ -489,7 +492,7 @@ def chat_ids_and_mask(messages: list[dict], tokenizer, template: str | None) -> 
     return enc["input_ids"], mask
 
 
-def tokenize_chat(examples: list[dict], tokenizer, template: str | None) -> TokenStream:
+def tokenize_chat(examples: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None) -> TokenStream:
     """Chat: only assistant turns are targets (and the EOS that ends the document, after an assistant turn)."""
     eos = _eos(tokenizer)
     docs = []
@@ -499,7 +502,7 @@ def tokenize_chat(examples: list[dict], tokenizer, template: str | None) -> Toke
     return _concat(docs)
 
 
-def tokenize(examples: list[dict], cfg: DataConfig, tokenizer) -> TokenStream:
+def tokenize(examples: list[dict], cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     if cfg.format == "text":
         return tokenize_text([x["text"] for x in examples], tokenizer)
     if cfg.format == "prompt_completion":
@@ -625,7 +628,7 @@ class Dataset:
     """Held-out examples (for task evaluation by generation)."""
 
 
-def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer) -> Dataset:
+def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None) -> Dataset:
     """Reads, tokenizes and packs the configured data (synthetic data has nothing to build)."""
     if cfg.format == "synthetic":
         return Dataset(None, None, {"format": "synthetic", "seed": train_cfg.seed})

@@ -26,7 +26,10 @@ import sys
 import sysconfig
 import urllib.error
 import urllib.request
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 UNKNOWN = "unknown"
 
@@ -154,7 +157,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def worker_environment(device=None, *, pod: bool = True) -> dict:
+def worker_environment(device: torch.device | None = None, *, pod: bool = True) -> dict:
     """Describe this worker process: host, accelerators, driver and software versions.
 
     `device` is the `torch.device` the worker trains on (`None`: CUDA if available).

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from .config import ExpectConfig, PreflightConfig
 from .environment import worker_environment
 from .nccl import worker_transport
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 # Values `preflight.expect.transport` understands.
 NET_KINDS = ("efa", "ib", "roce", "socket")
@@ -54,14 +59,15 @@ def bus_bandwidth_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def _sync(device) -> None:
+def _sync(device: torch.device) -> None:
     import torch
 
     if getattr(device, "type", "cpu") == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time_collective(op: str, size_bytes: int, group, n: int, device, iters: int, warmup: int) -> dict:
+def _time_collective(op: str, size_bytes: int, group: ProcessGroup | None, n: int, device: torch.device, iters: int,
+                     warmup: int) -> dict:
     """Time one collective on `group`; returns figures of the slowest rank (MAX of times)."""
     import torch
     import torch.distributed as dist
@@ -98,12 +104,14 @@ def _time_collective(op: str, size_bytes: int, group, n: int, device, iters: int
             "busbw_gbps": round(algbw * bus_bandwidth_factor(op, n), 4)}
 
 
-def _bench_group(group, n: int, device, sizes_mib, iters: int, warmup: int) -> dict:
+def _bench_group(group: ProcessGroup | None, n: int, device: torch.device, sizes_mib: list[int], iters: int,
+                 warmup: int) -> dict:
     return {op: [_time_collective(op, int(s * 2**20), group, n, device, iters, warmup) for s in sizes_mib]
             for op in ("all_reduce", "all_gather")}
 
 
-def run_preflight(cfg: PreflightConfig, device, *, log_dir: str | None = None, hostname: str | None = None) -> dict | None:
+def run_preflight(cfg: PreflightConfig, device: torch.device, *, log_dir: str | None = None,
+                  hostname: str | None = None) -> dict | None:
     """Measure collectives on all ranks, collect every worker's evidence on rank 0, check it.
 
     Call on EVERY rank, after `torch.distributed` is initialised (NCCL on GPU with the CUDA
