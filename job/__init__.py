@@ -5,7 +5,7 @@ Modules, one concern each (flat, because the chart ships them in a ConfigMap):
 `loss` (chunked cross-entropy), `train` (the per-worker loop: build → train → finish), `evaluate` (held-out loss,
 generation, task evaluation), `checkpoint` (asynchronous save, resume), `export` (the checked Hugging Face export),
 `metrics` (MFU, metric log, time accounting and goodput, one-step profiler), `nccl` (transport from NCCL's log),
-`preflight` (environment, image digest, bandwidth),
+`environment` (worker inventory, image digest), `preflight` (bandwidth and transport checks),
 `packages` (optional packages: s3fs, datasets), `evidence` (run record, compare), `report` (markdown and
 plots), `launch` (driver: Ray Train or torchrun), `__main__` (CLI).
 """

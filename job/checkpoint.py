@@ -302,7 +302,7 @@ def _writer(uri: str):
 
         return FsspecWriter(uri)
     # Several files per rank, written in parallel: one stream does not fill a fast disk.
-    return FileSystemWriter(uri.removeprefix("file://"), thread_count=4)
+    return FileSystemWriter(storage.local_path(uri), thread_count=4)
 
 
 def _reader(uri: str):
@@ -312,7 +312,7 @@ def _reader(uri: str):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(uri)
-    return FileSystemReader(uri.removeprefix("file://"))
+    return FileSystemReader(storage.local_path(uri))
 
 
 def _rng_state() -> dict:

@@ -4,10 +4,10 @@ The same file drives every launcher: the local embedded run, torchrun, and the H
 `.Values.run` into a ConfigMap). Loading is strict, so a typo never silently falls back to a default:
 
 * unknown keys, wrong types and impossible combinations raise `ConfigError` naming the dotted path,
-  e.g. ``train.seq_len: expected int, got 'abc'``;
-* ``--set train.max_steps=20`` overrides go through the same checks (values are parsed as YAML scalars);
+  e.g. `train.seq_len: expected int, got 'abc'`;
+* `--set train.max_steps=20` overrides go through the same checks (values are parsed as YAML scalars);
 * `json_schema()` derives a JSON Schema from the same dataclasses (field docstrings become descriptions),
-  so the chart's ``values.schema.json`` validates ``run:`` with the rules Python applies.
+  so the chart's `values.schema.json` validates `run:` with the rules Python applies.
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ class SourceConfig:
     """Hub dataset configuration name (e.g. `main` for `hf:openai/gsm8k`); only for `hf:` sources."""
     split: str = "train"
     """Split of an `hf:` source to read (e.g. `train`, `test`); only for `hf:` sources."""
+
+
+def is_hub_source(path: str) -> bool:
+    """`hf:owner/name`: a dataset on the Hugging Face hub, read with `datasets` (`hf://` is an fsspec file path)."""
+    return path.startswith("hf:") and not path.startswith("hf://")
 
 
 @dataclass
@@ -530,7 +535,7 @@ def _validate_data(cfg: RunConfig, errors: list[str]) -> None:
             continue
         if not src.path:
             errors.append(f"data.{key}.path: required (a file, directory, URI or hf:owner/name)")
-        hub = src.path.startswith("hf:") and not src.path.startswith("hf://")
+        hub = is_hub_source(src.path)
         if hub and src.path.count("/") != 1:
             errors.append(f"data.{key}.path: expected hf:owner/name, got {src.path!r}")
         if not hub:

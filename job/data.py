@@ -30,13 +30,16 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from . import packages, storage
-from .config import DataConfig, SourceConfig, TrainConfig
+from .config import DataConfig, SourceConfig, TrainConfig, is_hub_source
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 IGNORE_INDEX = -100
 """Label value that carries no loss (matches `torch.nn.functional.cross_entropy`'s default)."""
@@ -107,7 +110,7 @@ def load_source(src: SourceConfig, key: str, max_rows: int = 0) -> Rows:
 
         docs = [(f"builtin:python-docs:{name}", topics.topics[name]) for name in sorted(topics.topics)]
         return _limit(Rows(docs, {"source": src.path, "python": sys.version.split()[0], "sha256": _hash_texts(docs)}), max_rows)
-    if packages.is_hub_source(src.path):
+    if is_hub_source(src.path):
         return _limit(_load_hub(src, key, max_rows), max_rows)
     return _limit(_load_files(src.path, key, max_rows), max_rows)
 
@@ -137,7 +140,7 @@ def _load_files(path: str, key: str, max_rows: int) -> Rows:
         raise DataError(f"{key}: cannot open {path}: {type(e).__name__}: {e}") from None
     if not exists:
         raise DataError(f"{key}: source not found: {path}")
-    remote = "://" in path
+    remote = storage.is_remote(path)
     if fs.isdir(fs_path):
         names = sorted(fs.find(fs_path))
         files = [n for n in names if n.endswith(ROW_SUFFIXES + TEXT_SUFFIXES)]
@@ -366,7 +369,7 @@ def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def train_bpe_tokenizer(documents: list[str], vocab_size: int):
+def train_bpe_tokenizer(documents: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on `documents` (deterministic), with `<|endoftext|>` as EOS and pad.
 
     It uses Qwen2's normalizer and pre-tokenizer: `AutoTokenizer` loads a tokenizer saved beside a Qwen2 config
@@ -394,7 +397,7 @@ def train_bpe_tokenizer(documents: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
 
 
-def tokenizer_from_json(text: str):
+def tokenizer_from_json(text: str) -> PreTrainedTokenizerFast:
     """Rebuilds a `train_bpe_tokenizer` tokenizer from its JSON (`tokenizer.backend_tokenizer.to_str()`)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -402,33 +405,55 @@ def tokenizer_from_json(text: str):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(text), eos_token=EOS, pad_token=EOS)
 
 
-def tokenizer_fingerprint(tokenizer, chat_template: str | None = None) -> dict:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> dict:
     """Name and sha256 of the tokenizer's full JSON (vocabulary, merges, normalisation, specials: the run
     record's `tokenizer_sha256`), and of the chat template in use, if any."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    text = backend.to_str() if backend is not None else json.dumps(_sorted_vocabulary(tokenizer))
     out = {"name": tokenizer.name_or_path or f"trained byte-level BPE ({len(tokenizer)} tokens)",
-           "vocab_size": len(tokenizer), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+           "vocab_size": len(tokenizer), "sha256": _sha256(text)}
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template:
-        out["chat_template_sha256"] = hashlib.sha256(str(template).encode()).hexdigest()
+        out["chat_template_sha256"] = _sha256(str(template))
     return out
 
 
-def _eos(tokenizer) -> int:
+def vocabulary_sha256(tokenizer: PreTrainedTokenizerBase | None) -> str | None:
+    """sha256 of the vocabulary and the EOS/padding ids: what a tokenizer must keep through save and reload (its
+    JSON serialisation itself may change, so the export's check does not use `tokenizer_fingerprint`)."""
+    if tokenizer is None:
+        return None
+    return _sha256(json.dumps([_sorted_vocabulary(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id]))
+
+
+def _sorted_vocabulary(tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, int]]:
+    return sorted(tokenizer.get_vocab().items())
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _eos(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise DataError("model.tokenizer: the tokenizer has no EOS token, needed to separate documents")
     return tokenizer.eos_token_id
 
 
-def tokenize_text(documents: list[str], tokenizer) -> TokenStream:
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that fills padding (never a target, so any id the model embeds will do): the tokenizer's pad
+    token, else its EOS, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
+def tokenize_text(documents: list[str], tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     """Language modelling: every token is a target; each document ends with EOS."""
     eos = _eos(tokenizer)
     ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
     return _concat([(doc + [eos], None) for doc in ids])
 
 
-def tokenize_prompt_completion(examples: list[dict], tokenizer) -> TokenStream:
+def tokenize_prompt_completion(examples: list[dict], tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     """Prompt and completion tokenized separately (so the boundary is exact, as at generation time); only the
     completion tokens and the EOS after them are targets."""
     eos = _eos(tokenizer)
@@ -437,7 +462,7 @@ def tokenize_prompt_completion(examples: list[dict], tokenizer) -> TokenStream:
     return _concat([(p + c + [eos], [False] * len(p) + [True] * (len(c) + 1)) for p, c in zip(prompts, completions)])
 
 
-def render_chat(messages: list[dict], tokenizer, template: str | None, generation_prompt: bool = False) -> str:
+def render_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None, generation_prompt: bool = False) -> str:
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError("data.chat_template: the tokenizer has no chat template; set data.chat_template")
     return tokenizer.apply_chat_template(
@@ -445,7 +470,7 @@ def render_chat(messages: list[dict], tokenizer, template: str | None, generatio
     )
 
 
-def chat_ids_and_mask(messages: list[dict], tokenizer, template: str | None) -> tuple[list[int], list[bool]]:
+def chat_ids_and_mask(messages: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and the mask of assistant-turn tokens.
 
     Assistant turn i spans the characters between the rendering of messages[:i] with the generation prompt
@@ -468,7 +493,7 @@ def chat_ids_and_mask(messages: list[dict], tokenizer, template: str | None) -> 
     return enc["input_ids"], mask
 
 
-def tokenize_chat(examples: list[dict], tokenizer, template: str | None) -> TokenStream:
+def tokenize_chat(examples: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None) -> TokenStream:
     """Chat: only assistant turns are targets (and the EOS that ends the document, after an assistant turn)."""
     eos = _eos(tokenizer)
     docs = []
@@ -478,7 +503,7 @@ def tokenize_chat(examples: list[dict], tokenizer, template: str | None) -> Toke
     return _concat(docs)
 
 
-def tokenize(examples: list[dict], cfg: DataConfig, tokenizer) -> TokenStream:
+def tokenize(examples: list[dict], cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     if cfg.format == "text":
         return tokenize_text([x["text"] for x in examples], tokenizer)
     if cfg.format == "prompt_completion":
@@ -608,7 +633,8 @@ DATA_CACHE = "data_cache"
 """`<run>/data_cache/<key>.pt`: the run's tokenized and packed data, built once per run (see `build_once`)."""
 
 
-def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer, run_dir: str) -> tuple[Dataset, str]:
+def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None,
+               run_dir: str) -> tuple[Dataset, str]:
     """`build`, once per run rather than once per worker and attempt: rank 0 builds the dataset and writes it to
     the run's storage, the other ranks (and every rank of a later attempt) read it back. Collective. Returns the
     dataset and `"built"` or `"read"`.
@@ -650,12 +676,12 @@ def _blocks(saved: dict | None) -> Blocks | None:
     return None if saved is None else Blocks(saved["input_ids"], saved["labels"], saved["position_ids"])
 
 
-def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer) -> Dataset:
+def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None) -> Dataset:
     """Reads, tokenizes and packs the configured data (synthetic data has nothing to build)."""
     if cfg.format == "synthetic":
         return Dataset(None, None, {"format": "synthetic", "seed": train_cfg.seed})
     train_ex, val_ex, val_info = read_examples(cfg, train_cfg.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos(tokenizer)
+    padding = pad_id(tokenizer)
     fingerprint = {
         "format": cfg.format,
         "train": train_ex.info,
@@ -671,9 +697,9 @@ def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer) -> Dataset:
             continue
         stream = tokenize(ex.items, cfg, tokenizer)
         if cfg.packing:
-            blocks = pack(stream, train_cfg.seq_len, pad_id)
+            blocks = pack(stream, train_cfg.seq_len, padding)
         else:
-            blocks, truncated = pad_documents(stream, train_cfg.seq_len, pad_id)
+            blocks, truncated = pad_documents(stream, train_cfg.seq_len, padding)
             fingerprint[f"{name}_truncated_documents"] = truncated
         fingerprint[f"{name}_tokens"] = int(stream.tokens.numel())
         fingerprint[f"{name}_target_tokens"] = int((blocks.labels != IGNORE_INDEX).sum())

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import data as data_lib
+from .data import pad_id
 
 # --------------------------------------------------------------------------------------------------------------------
 # Held-out loss
@@ -195,10 +196,6 @@ def greedy_generate(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, m
     return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                        do_sample=False, temperature=None, top_p=None, top_k=None, cache_implementation=cache,
                        disable_compile=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-
-
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 def generate_sample(lm, tokenizer, prompt: str, n_tokens: int, device) -> str:

@@ -1,47 +1,28 @@
 """The run record: what a run ran on, how its GPUs talked, and what it produced.
 
 Everything here answers "can I trust and reproduce this run?" and is written down in
-``run.json`` at the top of the run directory ``<storage_path>/<run name>/``. The evidence
-itself comes from two other modules:
+`run.json` at the top of the run directory `<storage_path>/<run name>/`. The evidence
+itself comes from three other modules:
 
-* ``nccl``      -- NCCL transport: ask NCCL to log (``enable_nccl_debug``), read its logs back
-                  and turn them into a small dict (``parse_nccl_transport``); ``gloo_transport``
+* `environment` -- worker inventory (`worker_environment`) and image digest (`pod_image`).
+* `nccl`        -- NCCL transport: ask NCCL to log (`enable_nccl_debug`), read its logs back
+                  and turn them into a small dict (`parse_nccl_transport`); `gloo_transport`
                   for CPU runs.
-* ``preflight`` -- worker environment (``worker_environment``), image digest (``pod_image``) and
-                  the collective benchmark (``run_preflight``, ``check_expectations``).
+* `preflight`   -- the collective benchmark (`run_preflight`, `check_expectations`).
 
 Sections here (top to bottom):
 
-1. Run record       -- ``start_record`` / ``update_record`` / ``finish_record`` write ``run.json``;
-                      ``load_record``, ``read_metrics``, ``summarize_metrics``.
-2. Compare          -- ``compare_records`` / ``compare_main`` (``python -m job compare A B``).
+1. Run record       -- `start_record` / `update_record` / `finish_record` write `run.json`;
+                      `load_record`, `read_metrics`, `summarize_metrics`.
+2. Compare          -- `compare_records` / `compare_main` (`python -m job compare A B`).
 
-How the training loop uses the three modules (every worker runs ``train_loop``)::
+Where they are used: `train.train_loop`, which every worker runs. It calls `nccl.enable_nccl_debug` before
+the first collective (NCCL reads its settings once, when it creates its first communicator), then
+`preflight.run_preflight` on every rank; rank 0 alone keeps the record (`start_record` after the preflight,
+`update_record` as training learns more, e.g. the data fingerprint, `finish_record` at the end or on failure).
 
-    from job import evidence, nccl
-    from job import preflight as preflight_lib
-
-    # (every rank) BEFORE the first collective -- NCCL reads NCCL_DEBUG* once, when it creates
-    # its first communicator, and PyTorch creates communicators lazily at the first collective.
-    nccl.enable_nccl_debug(nccl_log_dir)              # a LOCAL dir, e.g. /tmp/nccl-logs
-
-    # (every rank) after torch.distributed is initialised and the CUDA device is set
-    pre = preflight_lib.run_preflight(cfg.preflight, device, log_dir=nccl_log_dir)
-    #   -> full dict on rank 0, None elsewhere; raises preflight_lib.PreflightError on ALL ranks
-    #      when an expectation fails (rank 0's exception carries .result for the run record).
-
-    # (rank 0 only) right after preflight
-    record = evidence.start_record(run_dir, config=cfg_dict, config_text=cfg_yaml,
-                                   run_name=name, seed=cfg.seed, preflight=pre)
-    # (rank 0 only) once the data and tokenizer are built
-    evidence.update_record(run_dir, record, dataset=fingerprint, tokenizer_sha256=tok_hash)
-    # (rank 0 only) at the very end, or in the except branch with status="failed"
-    evidence.finish_record(run_dir, record, status="succeeded", evaluation=task_results,
-                           checkpoints={"dir": ckpt_dir, "latest": step_dir},
-                           export={"path": export_dir})
-
-Nothing here needs a GPU, Kubernetes or network access (``s3://`` run directories aside): a
-value that cannot be known is ``"unknown"`` plus a ``reason`` instead of an exception.
+Nothing here needs a GPU, Kubernetes or network access (`s3://` run directories aside): a
+value that cannot be known is `"unknown"` plus a `reason` instead of an exception.
 """
 
 from __future__ import annotations
@@ -58,7 +39,7 @@ from typing import Any, Iterable, Mapping
 
 from . import storage
 from .nccl import describe_transport
-from .preflight import UNKNOWN, job_version, worker_environment
+from .environment import UNKNOWN, job_version, worker_environment
 
 RUN_RECORD = "run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -68,7 +49,7 @@ SCHEMA_VERSION = 1
 # 1. Run record (run.json)
 # ---------------------------------------------------------------------------------------------
 
-#: Environment variables the chart sets, and where they land in the record.
+# Environment variables the chart sets, and where they land in the record.
 CHART_ENV = {"name": "JOB_CHART", "version": "JOB_CHART_VERSION", "release": "JOB_RELEASE",
              "values_sha256": "JOB_VALUES_SHA256"}
 
@@ -80,7 +61,7 @@ def _now() -> str:
 def chart_metadata(env: Mapping[str, str] | None = None) -> dict:
     """Chart name/version, release and values hash from the env vars the chart sets.
 
-    Missing ones are ``"unknown"`` and ``unknown_reasons[field]`` says which variable was unset.
+    Missing ones are `"unknown"` and `unknown_reasons[field]` says which variable was unset.
     """
     env = os.environ if env is None else env
     out: dict[str, Any] = {}
@@ -159,7 +140,7 @@ def _transport_section(workers: list[dict]) -> dict:
 
 def _runtime_env_section(workers: list[dict]) -> dict:
     """The Ray runtime env of the job and what it installed at start, from every worker's inventory
-    (:func:`preflight.runtime_env_additions`; each worker's own is kept in its ``environment``)."""
+    (`environment.runtime_env_additions`; each worker's own is kept in its `environment`)."""
     reports = [w["environment"].get("runtime_env") or {} for w in workers]
     first = reports[0]
     return {
@@ -176,22 +157,22 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
                  seed: int | None = None, preflight: dict | None = None,
                  dataset: dict | None = None, tokenizer_sha256: str | None = None,
                  pods: list[dict] | None = None, env: Mapping[str, str] | None = None) -> dict:
-    """Create ``<run_dir>/run.json`` with status ``running``; return the record dict.
+    """Create `<run_dir>/run.json` with status `running`; return the record dict.
 
-    Call on rank 0 only, once, after :func:`preflight.run_preflight` (so hardware, transport and every
+    Call on rank 0 only, once, after `preflight.run_preflight` (so hardware, transport and every
     worker's environment are known) and before training. Arguments:
 
-    * ``run_dir``: ``<storage_path>/<run name>`` (local path or ``s3://...``).
-    * ``config``: the resolved config as a plain dict; ``config_text``: its YAML text exactly
+    * `run_dir`: `<storage_path>/<run name>` (local path or `s3://...`).
+    * `config`: the resolved config as a plain dict; `config_text`: its YAML text exactly
       as resolved (its sha256 is the config hash).
-    * ``run_name``: default: the last path component of ``run_dir``.
-    * ``seed``: the training seed.
-    * ``preflight``: rank 0's return value of :func:`preflight.run_preflight` (or ``PreflightError.result``);
-      ``None`` -> only this process's environment is recorded.
-    * ``dataset`` / ``tokenizer_sha256``: the data module's fingerprint dict and tokenizer
-      hash, if already known (else pass them later to :func:`update_record`).
-    * ``pods``: :func:`preflight.pod_image` results to use instead of those in ``preflight`` (tests).
-    * ``env``: mapping to read the chart's env vars from (default ``os.environ``).
+    * `run_name`: default: the last path component of `run_dir`.
+    * `seed`: the training seed.
+    * `preflight`: rank 0's return value of `preflight.run_preflight` (or `PreflightError.result`);
+      `None` -> only this process's environment is recorded.
+    * `dataset` / `tokenizer_sha256`: the data module's fingerprint dict and tokenizer
+      hash, if already known (else pass them later to `update_record`).
+    * `pods`: `environment.pod_image` results to use instead of those in `preflight` (tests).
+    * `env`: mapping to read the chart's env vars from (default `os.environ`).
     """
     env = os.environ if env is None else env
     if preflight is not None:
@@ -256,11 +237,11 @@ _UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "preflig
 
 def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
                   tokenizer_sha256: str | None = None, **updates) -> dict:
-    """Merge ``updates`` into ``record`` and rewrite ``run.json`` (rank 0; any time mid-run).
+    """Merge `updates` into `record` and rewrite `run.json` (rank 0; any time mid-run).
 
-    Known keys: ``dataset`` (fingerprint dict), ``tokenizer_sha256``, ``metrics``,
-    ``evaluation``, ``checkpoints``, ``export``, ``seed``, ``preflight``.
-    Anything else is kept under ``extra`` (a typo never crashes the end of a long run).
+    Known keys: `dataset` (fingerprint dict), `tokenizer_sha256`, `metrics`,
+    `evaluation`, `checkpoints`, `export`, `seed`, `preflight`.
+    Anything else is kept under `extra` (a typo never crashes the end of a long run).
     """
     if dataset is not None:
         record["data"]["fingerprint"] = dataset
@@ -277,14 +258,14 @@ def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
 
 def finish_record(run_dir: str, record: dict, *, status: str = "succeeded", error: str | BaseException | None = None,
                   metrics: dict | None = None, **updates) -> dict:
-    """Close the record: status, end time, metric summary, results; rewrite ``run.json``.
+    """Close the record: status, end time, metric summary, results; rewrite `run.json`.
 
-    Call on rank 0 at the end of training (``status="succeeded"``) or from the ``except``
-    branch (``status="failed", error=exc``). ``metrics`` defaults to
-    :func:`summarize_metrics` of ``<run_dir>/metrics.jsonl``. Other keyword arguments as in
-    :func:`update_record`: ``evaluation`` (task results), ``checkpoints`` (e.g.
-    ``{"dir": ..., "latest": ...}``), ``export`` (e.g. ``{"path": ..., "accepted": True}``),
-    ``dataset``, ``tokenizer_sha256``.
+    Call on rank 0 at the end of training (`status="succeeded"`) or from the `except`
+    branch (`status="failed", error=exc`). `metrics` defaults to
+    `summarize_metrics` of `<run_dir>/metrics.jsonl`. Other keyword arguments as in
+    `update_record`: `evaluation` (task results), `checkpoints` (e.g.
+    `{"dir": ..., "latest": ...}`), `export` (e.g. `{"path": ..., "accepted": True}`),
+    `dataset`, `tokenizer_sha256`.
     """
     if status not in ("succeeded", "failed"):
         raise ValueError(f"status must be 'succeeded' or 'failed', not {status!r}")
@@ -307,7 +288,7 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded", erro
 
 
 def write_record(run_dir: str, record: dict) -> None:
-    """Write ``record`` to ``<run_dir>/run.json`` atomically (see :func:`write_text_atomic`)."""
+    """Write `record` to `<run_dir>/run.json` atomically (see `write_text_atomic`)."""
     storage.write_atomic(storage.join(run_dir, RUN_RECORD), json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
 
 
@@ -342,7 +323,7 @@ def _last_seen(run_dir: str, started_at: str | None) -> dict:
 
 
 def load_record(run_dir: str) -> dict:
-    """Read ``<run_dir>/run.json``; ``FileNotFoundError`` naming the path when absent."""
+    """Read `<run_dir>/run.json`; `FileNotFoundError` naming the path when absent."""
     path = storage.join(run_dir, RUN_RECORD)
     try:
         return json.loads(storage.read_text(path))
@@ -351,12 +332,12 @@ def load_record(run_dir: str) -> dict:
 
 
 def schema_path() -> str:
-    """Path of ``run_record.schema.json`` (next to this module)."""
+    """Path of `run_record.schema.json` (next to this module)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_record.schema.json")
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """Rows of ``<run_dir>/metrics.jsonl`` (blank or unparsable lines are skipped)."""
+    """Rows of `<run_dir>/metrics.jsonl` (blank or unparsable lines are skipped)."""
     rows = []
     for line in storage.read_text(storage.join(run_dir, METRICS_FILE)).splitlines():
         line = line.strip()
@@ -383,7 +364,7 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
     """Summary of metrics.jsonl rows for the record and the report.
 
     Throughput and MFU are medians over the second half of the train steps (the first half
-    includes compilation and warm-up); peak memory is the maximum. ``task_eval`` keeps the last
+    includes compilation and warm-up); peak memory is the maximum. `task_eval` keeps the last
     result per task.
     """
     rows = list(rows)
@@ -416,10 +397,10 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
 # 2. Compare two runs
 # ---------------------------------------------------------------------------------------------
 
-#: Groups whose differences make two runs' environments "not identical" (exit status 1).
+# Groups whose differences make two runs' environments "not identical" (exit status 1).
 ENVIRONMENT_GROUPS = ("image", "runtime_env", "packages", "config", "data", "hardware")
-#: Config keys that name or place the run rather than define it (job/config.py's RunConfig.name
-#: and .storage_path); ignored by default, ``--ignore-config`` replaces the list.
+# Config keys that name or place the run rather than define it (job/config.py's RunConfig.name
+# and .storage_path); ignored by default, `--ignore-config` replaces the list.
 DEFAULT_IGNORED_CONFIG = ("name", "storage_path", "run_name", "run.name")
 _RESULT_KEYS = ("final_eval_loss", "best_eval_loss", "final_train_loss", "tokens_per_s_per_device",
                 "tokens_per_s", "mfu", "peak_mem_gib", "steps")
@@ -450,12 +431,12 @@ def _transport_signature(record: dict) -> list[str]:
 def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_IGNORED_CONFIG) -> dict:
     """Differences between two run records, grouped.
 
-    Returns ``{"image": [...], "runtime_env": [...], "packages": [...], "config": [...], "data": [...],
-    "hardware": [...], "results": [...]}``, each a list of ``(key, value_in_a, value_in_b)``.
-    ``runtime_env``: what the job asked Ray to add (``requested.*``), whether anything was installed at start
-    and the added packages' versions (``packages.<name>``).
-    Package keys are distribution names (``None`` = not installed on that side); config and
-    data keys are dotted paths (the weights' fingerprint counts as data). ``results`` is informational (losses,
+    Returns `{"image": [...], "runtime_env": [...], "packages": [...], "config": [...], "data": [...],
+    "hardware": [...], "results": [...]}`, each a list of `(key, value_in_a, value_in_b)`.
+    `runtime_env`: what the job asked Ray to add (`requested.*`), whether anything was installed at start
+    and the added packages' versions (`packages.<name>`).
+    Package keys are distribution names (`None` = not installed on that side); config and
+    data keys are dotted paths (the weights' fingerprint counts as data). `results` is informational (losses,
     throughput, MFU, goodput and seconds per phase) and
     never makes environments differ; hostnames, times and bandwidth figures are not compared.
     """
@@ -529,7 +510,7 @@ def _delta(a, b) -> str:
 
 
 def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -> str:
-    """Concise text of :func:`compare_records` output."""
+    """Concise text of `compare_records` output."""
     out = [f"A: {name_a}  ({a.get('run_name')}, {a.get('status')})",
            f"B: {name_b}  ({b.get('run_name')}, {b.get('status')})"]
     labels = {"image": "image", "runtime_env": "runtime env", "packages": "packages", "config": "config", "data": "data",
@@ -553,7 +534,7 @@ def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -
 
 
 def compare_main(argv: list[str]) -> int:
-    """``python -m job compare RUN_A RUN_B [--ignore-config KEY ...]``; ``argv`` excludes "compare".
+    """`python -m job compare RUN_A RUN_B [--ignore-config KEY ...]`; `argv` excludes "compare".
 
     Prints the grouped differences. Exit status: 0 environments identical (image, runtime env,
     packages, config, data, hardware/transport), 1 they differ, 2 bad input (e.g. a missing run.json).

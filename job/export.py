@@ -19,7 +19,6 @@ export directory, and reads it, only once every file is written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from . import config as config_lib
 from . import data as data_lib
 from . import storage
+from .data import vocabulary_sha256
 
 EXPORT_DIR = "export"
 VALID = "_VALID"
@@ -154,15 +154,6 @@ def _publish(stage: str, final: str) -> None:
         with open(os.path.join(stage, name), "rb") as f:
             storage.write_atomic(storage.join(final, name), f.read())
     shutil.rmtree(stage, ignore_errors=True)
-
-
-def vocabulary_sha256(tokenizer) -> str | None:
-    """sha256 of the vocabulary and the EOS/padding ids: what a tokenizer must keep through save and reload (its
-    JSON serialisation itself may change)."""
-    if tokenizer is None:
-        return None
-    vocabulary = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps([vocabulary, tokenizer.eos_token_id, tokenizer.pad_token_id]).encode()).hexdigest()
 
 
 def export_is_valid(run_dir: str, step: int) -> bool:

@@ -23,28 +23,38 @@ from .train import train_loop
 
 
 def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
-    """The config with local relative paths made absolute, as the workers do not share the driver's working
-    directory. Model and tokenizer paths change only where they exist locally (otherwise they are hub ids)."""
+    """The config with local paths (`file://` URIs among them) made absolute OS paths, as the workers do not share
+    the driver's working directory. Model and tokenizer paths change only where they exist locally (otherwise
+    they are hub ids)."""
     cfg = copy.deepcopy(cfg)
-    local = lambda p: p is not None and "://" not in p and not p.startswith(("hf:", "builtin:"))  # noqa: E731
+
+    def local(path: str | None) -> bool:
+        return (path is not None and not storage.is_remote(path) and not config_lib.is_hub_source(path)
+                and not path.startswith("builtin:"))
+
+    def absolute(path: str) -> str:
+        return os.path.abspath(storage.local_path(path))
+
     if local(cfg.storage_path):
-        cfg.storage_path = os.path.abspath(cfg.storage_path)
+        cfg.storage_path = absolute(cfg.storage_path)
     if cfg.checkpoint.resume not in ("auto", "never") and local(cfg.checkpoint.resume):
-        cfg.checkpoint.resume = os.path.abspath(cfg.checkpoint.resume)
+        cfg.checkpoint.resume = absolute(cfg.checkpoint.resume)
     for source in (cfg.data.train, cfg.data.validation):
         if source is not None and local(source.path):
-            source.path = os.path.abspath(source.path)
+            source.path = absolute(source.path)
     for field in ("path", "tokenizer"):
         value = getattr(cfg.model, field)
-        if local(value) and os.path.exists(value):
-            setattr(cfg.model, field, os.path.abspath(value))
+        if local(value) and os.path.exists(storage.local_path(value)):
+            setattr(cfg.model, field, absolute(value))
     return cfg
 
 
 def run_directory(cfg: config_lib.RunConfig) -> str:
-    """`<storage_path>/<name>`, with a local storage path made absolute (Ray requires it)."""
-    storage = cfg.storage_path if "://" in cfg.storage_path else os.path.abspath(cfg.storage_path)
-    return f"{storage.rstrip('/')}/{cfg.name}"
+    """`<storage_path>/<name>`, with a local storage path made an absolute OS path (Ray requires it)."""
+    base = cfg.storage_path
+    if not storage.is_remote(base):
+        base = os.path.abspath(storage.local_path(base))
+    return f"{base.rstrip('/')}/{cfg.name}"
 
 
 def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
@@ -129,8 +139,8 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
-        if "://" not in run_dir:
-            tokenizer.save_pretrained(os.path.join(run_dir, "tokenizer"))
+        if not storage.is_remote(run_dir):
+            tokenizer.save_pretrained(os.path.join(storage.local_path(run_dir), "tokenizer"))
         loop_config["tokenizer_json"] = tokenizer.backend_tokenizer.to_str()
     return loop_config
 

@@ -9,8 +9,8 @@ away in forward, so no logits are kept or recomputed: the extra memory is one ch
     loss_sum, n_tokens = chunked_cross_entropy(hidden, weight, labels, chunk_size=4096)
     loss = loss_sum / n_tokens.clamp(min=1)
 
-Labels are already shifted (label i is the target of hidden i); -100 marks ignored tokens.
-Matches F.cross_entropy(hidden.float() @ weight.float().T, labels, ignore_index=-100,
+Labels are already shifted (label i is the target of hidden i); `data.IGNORE_INDEX` (-100) marks ignored
+tokens. Matches F.cross_entropy(hidden.float() @ weight.float().T, labels, ignore_index=-100,
 reduction="sum") up to the input dtype's matmul precision.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-IGNORE_INDEX = -100
+from .data import IGNORE_INDEX
 
 
 def _loss_and_logit_grad(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -83,7 +83,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     """Sum of token cross-entropies of `hidden @ weight.T` against `labels`, chunked over tokens.
 
     hidden [N, H] (bf16 or fp32), weight [V, H] (same dtype; e.g. the tied embedding weight,
-    unsharded), labels [N] int64 with -100 = ignore. Returns (loss_sum fp32 scalar,
+    unsharded), labels [N] int64 with IGNORE_INDEX = ignore. Returns (loss_sum fp32 scalar,
     n_tokens = number of non-ignored labels, int64 scalar). Gradients flow to hidden and weight.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:

@@ -8,6 +8,7 @@ cross-entropy that never materialises the full fp32 logits (151,936 wide for Qwe
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .config import ModelConfig, ParallelConfig
 from .data import IGNORE_INDEX
 from .loss import chunked_cross_entropy
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 PRESETS = {
     # Qwen2.5-1.5B's architecture (the reference workload); random init, since weights come from a hub.
@@ -61,7 +65,7 @@ SDPA_BACKENDS = {
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase | None:
     """The configured tokenizer, or None when there is none to load (synthetic data, trained tokenizers)."""
     from transformers import AutoTokenizer
 
@@ -113,7 +117,7 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> nn.M
     return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), **common)
 
 
-def hf_config(cfg: ModelConfig, vocab_size: int | None = None):
+def hf_config(cfg: ModelConfig, vocab_size: int | None = None) -> PretrainedConfig:
     """The Hugging Face config of the model to build, without its weights: the preset's (its vocabulary resized
     to `vocab_size`, if given) or `path`'s, with `overrides` applied."""
     from transformers import AutoConfig, Qwen2Config

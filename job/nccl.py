@@ -2,40 +2,41 @@
 
 NCCL chooses its transports at run time (EFA through the aws-ofi-nccl plugin, InfiniBand or RoCE,
 plain sockets; NVLink, NVLS, P2P or shared memory within a node) and says so only in its debug log.
-This module asks NCCL to write that log (``enable_nccl_debug``), reads it back (``read_nccl_logs``)
-and turns it into a small dict (``parse_nccl_transport``); ``gloo_transport`` is the same dict for
-CPU runs, ``worker_transport`` picks the right one for this worker process, and
-``describe_transport`` prints one line for humans. ``preflight.run_preflight`` gathers every
-worker's dict; ``evidence`` writes them into the run record.
+This module asks NCCL to write that log (`enable_nccl_debug`), reads it back (`read_nccl_logs`)
+and turns it into a small dict (`parse_nccl_transport`); `gloo_transport` is the same dict for
+CPU runs, `worker_transport` picks the right one for this worker process, and
+`describe_transport` prints one line for humans. `preflight.run_preflight` gathers every
+worker's dict; `evidence` writes them into the run record.
 
-Nothing here needs a GPU or network access: a missing log gives ``net=None`` plus a ``reason``.
+Nothing here needs a GPU or network access: a missing log gives `net=None` plus a `reason`.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import os
 import re
-from typing import Any, Mapping
+from typing import Mapping
 
-#: Subsystems we ask NCCL to log. INIT and NET give the version, the network plugin, its
-#: devices and the per-channel "via ..." lines; GRAPH adds the topology search result
-#: ("type NVL/PIX"), the only line that says NVLink in plain words; ENV echoes NCCL_* settings.
+# Subsystems we ask NCCL to log. INIT and NET give the version, the network plugin, its
+# devices and the per-channel "via ..." lines; GRAPH adds the topology search result
+# ("type NVL/PIX"), the only line that says NVLink in plain words; ENV echoes NCCL_* settings.
 NCCL_DEBUG_SUBSYS = "INIT,NET,GRAPH,ENV"
 
-#: Order in which intra-node paths are listed (fastest first).
+# Order in which intra-node paths are listed (fastest first).
 INTRA_NODE_ORDER = ("nvls", "nvlink", "p2p", "shm", "net", "socket")
 
 
 def nccl_debug_env(log_dir: str) -> dict[str, str]:
     """Environment variables that make NCCL write its INFO log to one file per process.
 
-    ``NCCL_DEBUG_FILE`` uses NCCL's own placeholders: ``%h`` = hostname, ``%p`` = pid, so
-    every worker process writes ``<log_dir>/nccl.<host>.<pid>.log``. ``log_dir`` must be a
+    `NCCL_DEBUG_FILE` uses NCCL's own placeholders: `%h` = hostname, `%p` = pid, so
+    every worker process writes `<log_dir>/nccl.<host>.<pid>.log`. `log_dir` must be a
     local directory (NCCL opens the file itself). The values only take effect if they are in
-    ``os.environ`` before NCCL creates its first communicator in this process -- see
-    :func:`enable_nccl_debug`.
+    `os.environ` before NCCL creates its first communicator in this process -- see
+    `enable_nccl_debug`.
     """
     return {
         "NCCL_DEBUG": "INFO",
@@ -45,13 +46,13 @@ def nccl_debug_env(log_dir: str) -> dict[str, str]:
 
 
 def enable_nccl_debug(log_dir: str) -> dict[str, str]:
-    """Create ``log_dir`` and put :func:`nccl_debug_env` into ``os.environ``; return it.
+    """Create `log_dir` and put `nccl_debug_env` into `os.environ`; return it.
 
     Call on every worker before its first collective. PyTorch creates NCCL communicators
-    lazily (at the first collective on a group), unless ``init_process_group`` was given
-    ``device_id=`` (eager init) -- in that case call this before ``init_process_group``, or
-    set the same variables through the Ray runtime env ``env_vars``. Setting them after NCCL
-    has initialised is silently ignored, and :func:`worker_transport` then says so.
+    lazily (at the first collective on a group), unless `init_process_group` was given
+    `device_id=` (eager init) -- in that case call this before `init_process_group`, or
+    set the same variables through the Ray runtime env `env_vars`. Setting them after NCCL
+    has initialised is silently ignored, and `worker_transport` then says so.
     """
     os.makedirs(log_dir, exist_ok=True)
     values = nccl_debug_env(log_dir)
@@ -60,14 +61,14 @@ def enable_nccl_debug(log_dir: str) -> dict[str, str]:
 
 
 def nccl_log_files(log_dir: str, *, pid: int | None = None, hostname: str | None = None) -> list[str]:
-    """Paths of NCCL debug logs in ``log_dir``, optionally only those of one host and/or pid."""
+    """Paths of NCCL debug logs in `log_dir`, optionally only those of one host and/or pid."""
     host_part = glob.escape(hostname) if hostname else "*"
     pid_part = str(pid) if pid is not None else "*"
     return sorted(glob.glob(os.path.join(glob.escape(log_dir), f"nccl.{host_part}.{pid_part}.log")))
 
 
 def read_nccl_logs(log_dir: str, *, pid: int | None = None, hostname: str | None = None) -> str:
-    """Concatenated text of the matching NCCL debug logs (``""`` when there are none)."""
+    """Concatenated text of the matching NCCL debug logs (`""` when there are none)."""
     parts = []
     for path in nccl_log_files(log_dir, pid=pid, hostname=hostname):
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -98,7 +99,7 @@ _RE_MESSAGE = re.compile(r"NCCL (INFO|WARN) (.*)$")
 
 
 def _message(line: str) -> tuple[str, str]:
-    """Split a raw log line into (level, message) dropping the ``host:pid:tid [dev]`` prefix."""
+    """Split a raw log line into (level, message) dropping the `host:pid:tid [dev]` prefix."""
     m = _RE_MESSAGE.search(line)
     if m:
         return m.group(1), m.group(2).strip()
@@ -106,7 +107,7 @@ def _message(line: str) -> tuple[str, str]:
 
 
 def _net_kind(plugin: str | None, provider: str | None) -> str | None:
-    """Map NCCL's network name (``Using network X`` / ``via NET/X/..``) to a short kind."""
+    """Map NCCL's network name (`Using network X` / `via NET/X/..`) to a short kind."""
     if not plugin:
         return provider
     name = plugin.lower()
@@ -120,10 +121,10 @@ def _net_kind(plugin: str | None, provider: str | None) -> str | None:
 
 
 def parse_nccl_transport(log_text: str) -> dict:
-    """Read NCCL ``NCCL_DEBUG=INFO`` output and say which transports NCCL really used.
+    """Read NCCL `NCCL_DEBUG=INFO` output and say which transports NCCL really used.
 
-    Works on stdout captures (with or without ``[1,3]<stdout>:`` or timestamp prefixes) and
-    on ``NCCL_DEBUG_FILE`` files, of one or several processes. Returns::
+    Works on stdout captures (with or without `[1,3]<stdout>:` or timestamp prefixes) and
+    on `NCCL_DEBUG_FILE` files, of one or several processes. Returns:
 
         {
           "backend": "nccl",
@@ -149,16 +150,31 @@ def parse_nccl_transport(log_text: str) -> dict:
           "lines": [the evidence lines, message part only, at most 40],
         }
 
-    How ``intra_node`` is decided: ``p2p`` if a channel goes via ``P2P/...`` (CUDA IPC /
-    cuMem / direct pointer), ``shm`` if via ``SHM/...`` (through host memory), ``nvls`` if
-    NVLink SHARP multicast is available or NVLS channels are set up, ``nvlink`` if the
-    topology search reports intra type ``NVL`` (GRAPH subsystem), the topology dump shows
-    ``NVL[..]`` links between GPUs, NVLS is in use, or P2P runs in ``/read`` mode (NCCL only
-    enables P2P read by default over NVLink). ``net`` is listed when a single-node
-    communicator still routes channels via ``NET/...``.
+    How `intra_node` is decided: `p2p` if a channel goes via `P2P/...` (CUDA IPC /
+    cuMem / direct pointer), `shm` if via `SHM/...` (through host memory), `nvls` if
+    NVLink SHARP multicast is available or NVLS channels are set up, `nvlink` if the
+    topology search reports intra type `NVL` (GRAPH subsystem), the topology dump shows
+    `NVL[..]` links between GPUs, NVLS is in use, or P2P runs in `/read` mode (NCCL only
+    enables P2P read by default over NVLink). `net` is listed when a single-node
+    communicator still routes channels via `NET/...`.
     """
-    result: dict[str, Any] = {
-        "backend": "nccl",
+    scan = _LogScan()
+    for raw in log_text.splitlines():
+        scan.read(raw)
+    result = _transport_template("nccl")
+    result.update(nccl_version=scan.nccl_version, net_provider=scan.provider, net_nic_count=scan.nic_count,
+                  net_used=scan.net_used, gdrdma=scan.gdrdma, intra_node=_intra_node_paths(scan),
+                  p2p_modes=scan.p2p_modes, nodes=scan.nodes, local_ranks=scan.local_ranks,
+                  channels=dict(scan.channels.most_common(20)), bootstrap=scan.bootstrap, connected=scan.connected,
+                  warnings=scan.warnings, lines=scan.lines)
+    result.update(_selected_network(scan))
+    return result
+
+
+def _transport_template(backend: str) -> dict:
+    """Every key of a transport entry (see `parse_nccl_transport`), with nothing found yet."""
+    return {
+        "backend": backend,
         "nccl_version": None,
         "net": None,
         "net_plugin": None,
@@ -179,188 +195,194 @@ def parse_nccl_transport(log_text: str) -> dict:
         "warnings": [],
         "lines": [],
     }
-    lines: list[str] = []
-    seen_lines: set[str] = set()
 
-    def keep(msg: str) -> None:
-        if msg not in seen_lines and len(lines) < 40:
-            seen_lines.add(msg)
-            lines.append(msg[:240])
 
-    plugins: collections.Counter[str] = collections.Counter()
-    plugin_line: dict[str, str] = {}
-    net_via: collections.Counter[str] = collections.Counter()
-    channels: collections.Counter[str] = collections.Counter()
-    ib_devices: list[str] = []
-    ib_line = socket_line = provider_line = None
-    socket_devices: list[str] = []
-    ofi_nics: list[str] = []
-    intra: set[str] = set()
-    p2p_modes: list[str] = []
-    net_channels_single_node = False
-    nodes = local_ranks = None
+@dataclasses.dataclass
+class _LogScan:
+    """What NCCL's log lines say, read one line at a time; `_selected_network` decides the network from it."""
 
-    for raw in log_text.splitlines():
+    nccl_version: str | None = None
+    plugins: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """`Using network X` lines per plugin name, and the first such line of each."""
+    plugin_line: dict = dataclasses.field(default_factory=dict)
+    provider: str | None = None
+    provider_line: str | None = None
+    nic_count: int | None = None
+    ofi_nics: list = dataclasses.field(default_factory=list)
+    ib_devices: list = dataclasses.field(default_factory=list)
+    ib_line: str | None = None
+    socket_devices: list = dataclasses.field(default_factory=list)
+    socket_line: str | None = None
+    bootstrap: str | None = None
+    channels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Channels per `via` transport."""
+    net_via: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Channels per network name in `via NET/<name>/..`."""
+    net_used: bool = False
+    gdrdma: bool = False
+    net_channels_single_node: bool = False
+    intra: set = dataclasses.field(default_factory=set)
+    p2p_modes: list = dataclasses.field(default_factory=list)
+    nodes: int | None = None
+    local_ranks: int | None = None
+    connected: bool = False
+    warnings: list = dataclasses.field(default_factory=list)
+    lines: list = dataclasses.field(default_factory=list)
+    """Evidence lines, message part only (cut at 240 characters), each once, at most 40."""
+    kept: set = dataclasses.field(default_factory=set)
+    """The whole messages `lines` holds."""
+
+    def keep(self, msg: str) -> None:
+        if msg not in self.kept and len(self.lines) < 40:
+            self.kept.add(msg)
+            self.lines.append(msg[:240])
+
+    def read(self, raw: str) -> None:
         level, msg = _message(raw)
         if level == "WARN":
-            if len(result["warnings"]) < 10:
-                result["warnings"].append(msg[:240])
-            continue
-        if (m := _RE_VERSION.search(msg)) and not result["nccl_version"]:
-            result["nccl_version"] = m.group(1)
-            keep(msg)
+            if len(self.warnings) < 10:
+                self.warnings.append(msg[:240])
+            return
+        self._read_info(msg)
+        if (m := _RE_NVLS_CHANNELS.search(msg)) and int(m.group(1)) > 0:
+            self.intra.update(("nvls", "nvlink"))
+            self.keep(msg)
+
+    def _read_info(self, msg: str) -> None:
+        """The one kind of evidence an INFO message carries (the first pattern that matches)."""
+        if (m := _RE_VERSION.search(msg)) and not self.nccl_version:
+            self.nccl_version = m.group(1)
+            self.keep(msg)
         elif m := _RE_USING_NETWORK.search(msg):
-            plugins[m.group(1)] += 1
-            plugin_line.setdefault(m.group(1), msg)
-            keep(msg)
+            self.plugins[m.group(1)] += 1
+            self.plugin_line.setdefault(m.group(1), msg)
+            self.keep(msg)
         elif m := _RE_OFI_PROVIDER.search(msg):
-            result["net_provider"] = result["net_provider"] or m.group(1)
-            provider_line = provider_line or msg
+            self.provider = self.provider or m.group(1)
+            self.provider_line = self.provider_line or msg
             if c := _RE_OFI_NIC_COUNT.search(msg):
-                result["net_nic_count"] = int(c.group(1))
-            keep(msg)
+                self.nic_count = int(c.group(1))
+            self.keep(msg)
         elif m := _RE_OFI_NIC.search(msg):
-            if m.group(1) not in ofi_nics:
-                ofi_nics.append(m.group(1))
+            if m.group(1) not in self.ofi_nics:
+                self.ofi_nics.append(m.group(1))
         elif m := _RE_IB_USING.search(msg):
             devices = _RE_DEVICE_TOKEN.findall(m.group(1))
             if devices:  # NCCL >= 2.28 prints "NET/IB : Using [RO]; OOB .." even with no HCA
-                ib_line = ib_line or msg
-                ib_devices.extend(d for d in devices if d not in ib_devices)
-                keep(msg)
+                self.ib_line = self.ib_line or msg
+                self.ib_devices.extend(d for d in devices if d not in self.ib_devices)
+                self.keep(msg)
         elif m := _RE_SOCKET_USING.search(msg):
-            socket_line = socket_line or msg
+            self.socket_line = self.socket_line or msg
             for dev in _RE_DEVICE_TOKEN.findall(m.group(1)):
                 dev = re.sub(r"<\d+>$", "", dev)
-                if dev not in socket_devices:
-                    socket_devices.append(dev)
-            keep(msg)
+                if dev not in self.socket_devices:
+                    self.socket_devices.append(dev)
+            self.keep(msg)
         elif m := _RE_BOOTSTRAP.search(msg):
-            result["bootstrap"] = result["bootstrap"] or m.group(1)
+            self.bootstrap = self.bootstrap or m.group(1)
         elif m := _RE_CHANNEL.search(msg):
-            via = m.group(6)
-            if via not in channels:
-                keep(msg)  # one example line per distinct transport
-            channels[via] += 1
-            if nm := _RE_NET_VIA.match(via):
-                net_via[nm.group(1)] += 1
-                result["net_used"] = True
-                if "GDRDMA" in via:
-                    result["gdrdma"] = True
-                if nodes == 1:
-                    net_channels_single_node = True
-            elif via.startswith("P2P/"):
-                intra.add("p2p")
-                if via not in p2p_modes:
-                    p2p_modes.append(via)
-                if via.endswith("/read"):
-                    intra.add("nvlink")
-            elif via.startswith("SHM"):
-                intra.add("shm")
+            self._read_channel(m.group(6), msg)
         elif m := _RE_GRAPH_TYPE.search(msg):
             if m.group(1) == "NVL":
-                intra.add("nvlink")
-            keep(msg)
+                self.intra.add("nvlink")
+            self.keep(msg)
         elif _RE_TOPO_NVLINK.search(msg):
-            intra.add("nvlink")
-            keep(msg)
+            self.intra.add("nvlink")
+            self.keep(msg)
         elif _RE_NVLS_AVAILABLE.search(msg):
-            intra.update(("nvls", "nvlink"))
-            keep(msg)
+            self.intra.update(("nvls", "nvlink"))
+            self.keep(msg)
         elif m := _RE_COMM.search(msg):
             n_nodes, n_local = int(m.group(2)), int(m.group(3))
-            if nodes is None or n_nodes > nodes:
-                nodes, local_ranks = n_nodes, n_local
-            keep(msg)
+            if self.nodes is None or n_nodes > self.nodes:
+                self.nodes, self.local_ranks = n_nodes, n_local
+            self.keep(msg)
         elif "Connected all rings" in msg:
-            result["connected"] = True
-            keep(msg)
-        if (m := _RE_NVLS_CHANNELS.search(msg)) and int(m.group(1)) > 0:
-            intra.update(("nvls", "nvlink"))
-            keep(msg)
+            self.connected = True
+            self.keep(msg)
 
-    # Which network did NCCL select? Prefer its own "Using network X" line, then the names in
-    # "via NET/X/.." channel lines, then which NET/* module initialised (plugin > IB > Socket,
-    # NCCL's own order of preference).
-    plugin = None
-    if plugins:
-        plugin = plugins.most_common(1)[0][0]
-        result["net_line"] = plugin_line[plugin]
-    elif net_via:
-        plugin = net_via.most_common(1)[0][0]
-    elif result["net_provider"]:
+    def _read_channel(self, via: str, msg: str) -> None:
+        """A `Channel .. via X` line: a network channel, or an intra-node path (P2P, SHM)."""
+        if via not in self.channels:
+            self.keep(msg)  # one example line per distinct transport
+        self.channels[via] += 1
+        if nm := _RE_NET_VIA.match(via):
+            self.net_via[nm.group(1)] += 1
+            self.net_used = True
+            self.gdrdma = self.gdrdma or "GDRDMA" in via
+            if self.nodes == 1:
+                self.net_channels_single_node = True
+        elif via.startswith("P2P/"):
+            self.intra.add("p2p")
+            if via not in self.p2p_modes:
+                self.p2p_modes.append(via)
+            if via.endswith("/read"):
+                self.intra.add("nvlink")
+        elif via.startswith("SHM"):
+            self.intra.add("shm")
+
+
+def _intra_node_paths(scan: _LogScan) -> list[str]:
+    """The intra-node paths seen, fastest first; `net` when a single-node communicator routes channels via NET."""
+    paths = set(scan.intra)
+    if scan.net_channels_single_node or (scan.nodes == 1 and scan.net_used):
+        paths.add("net")
+    return [k for k in INTRA_NODE_ORDER if k in paths]
+
+
+def _selected_network(scan: _LogScan) -> dict:
+    """`net`, `net_plugin`, `net_devices`, `net_link_layer` and `net_line`: the network NCCL selected.
+
+    Prefers NCCL's own "Using network X" line, then the names in "via NET/X/.." channel lines, then which
+    NET/* module initialised (plugin > IB > Socket, NCCL's own order of preference)."""
+    plugin, line = None, None
+    if scan.plugins:
+        plugin = scan.plugins.most_common(1)[0][0]
+        line = scan.plugin_line[plugin]
+    elif scan.net_via:
+        plugin = scan.net_via.most_common(1)[0][0]
+    elif scan.provider:
         plugin = "Libfabric"
-    elif ib_devices:
+    elif scan.ib_devices:
         plugin = "IB"
-    elif socket_devices:
+    elif scan.socket_devices:
         plugin = "Socket"
-    result["net_plugin"] = plugin
-    kind = _net_kind(plugin, result["net_provider"])
-    result["net"] = kind
+    kind = _net_kind(plugin, scan.provider)
+    out = {"net_plugin": plugin, "net": kind, "net_line": line}
     if kind == "ib":
-        result["net_devices"] = ib_devices
-        layers = {d.split("/")[1] for d in ib_devices if "/" in d}
-        result["net_link_layer"] = "RoCE" if layers == {"RoCE"} else ("IB" if layers else None)
-        result["net_line"] = ib_line or result["net_line"]
+        layers = {d.split("/")[1] for d in scan.ib_devices if "/" in d}
+        out.update(net_devices=scan.ib_devices, net_line=scan.ib_line or line,
+                   net_link_layer="RoCE" if layers == {"RoCE"} else ("IB" if layers else None))
     elif kind == "socket":
-        result["net_devices"] = socket_devices
-        result["net_line"] = socket_line or result["net_line"]
-    elif result["net_provider"]:
-        result["net_devices"] = ofi_nics
-        result["net_line"] = provider_line or result["net_line"]
-
-    if nodes == 1 and result["net_used"]:
-        net_channels_single_node = True
-    if net_channels_single_node:
-        intra.add("net")
-    result["intra_node"] = [k for k in INTRA_NODE_ORDER if k in intra]
-    result["p2p_modes"] = p2p_modes
-    result["nodes"], result["local_ranks"] = nodes, local_ranks
-    result["channels"] = dict(channels.most_common(20))
-    result["lines"] = lines
-    return result
+        out.update(net_devices=scan.socket_devices, net_line=scan.socket_line or line)
+    elif scan.provider:
+        out.update(net_devices=scan.ofi_nics, net_line=scan.provider_line or line)
+    return out
 
 
 def gloo_transport() -> dict:
     """Transport entry for the gloo backend (CPU runs and CPU tests).
 
     Gloo has no transport choice to make: every peer, on the same host or not, is reached
-    over TCP sockets on the interface ``GLOO_SOCKET_IFNAME`` (default: the address the
-    hostname resolves to). So ``net`` is ``"socket"`` and ``intra_node`` is ``["socket"]``.
-    Same keys as :func:`parse_nccl_transport`.
+    over TCP sockets on the interface `GLOO_SOCKET_IFNAME` (default: the address the
+    hostname resolves to). So `net` is `"socket"` and `intra_node` is `["socket"]`.
+    Same keys as `parse_nccl_transport`.
     """
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     line = f"gloo: TCP sockets on {iface or 'the interface of the hostname address'}"
-    return {
-        "backend": "gloo",
-        "nccl_version": None,
-        "net": "socket",
-        "net_plugin": "gloo",
-        "net_provider": None,
-        "net_link_layer": None,
-        "net_devices": [iface] if iface else [],
-        "net_nic_count": None,
-        "net_used": True,
-        "gdrdma": False,
-        "intra_node": ["socket"],
-        "p2p_modes": [],
-        "nodes": None,
-        "local_ranks": None,
-        "channels": {},
-        "bootstrap": None,
-        "connected": True,
-        "net_line": line,
-        "warnings": [],
-        "lines": [line],
-    }
+    entry = _transport_template("gloo")
+    entry.update(net="socket", net_plugin="gloo", net_devices=[iface] if iface else [], net_used=True,
+                 intra_node=["socket"], connected=True, net_line=line, lines=[line])
+    return entry
 
 
 def worker_transport(backend: str, log_dir: str | None = None, *, pid: int | None = None) -> dict:
-    """Transport entry of this worker process, for the process-group ``backend`` in use.
+    """Transport entry of this worker process, for the process-group `backend` in use.
 
-    ``gloo`` -> :func:`gloo_transport`. ``nccl`` -> :func:`parse_nccl_transport` of this
-    process's NCCL log in ``log_dir`` (call after at least one collective). When there is no
-    log, ``net`` is ``None`` and ``reason`` says why.
+    `gloo` -> `gloo_transport`. `nccl` -> `parse_nccl_transport` of this
+    process's NCCL log in `log_dir` (call after at least one collective). When there is no
+    log, `net` is `None` and `reason` says why.
     """
     if "nccl" not in backend:
         entry = gloo_transport()
@@ -382,7 +404,7 @@ def worker_transport(backend: str, log_dir: str | None = None, *, pid: int | Non
 
 
 def describe_transport(t: Mapping | None) -> str:
-    """One line for humans, e.g. ``nccl 2.21.5: net=efa (Libfabric, 4 NICs, GDRDMA); intra-node=nvlink,p2p``."""
+    """One line for humans, e.g. `nccl 2.21.5: net=efa (Libfabric, 4 NICs, GDRDMA); intra-node=nvlink,p2p`."""
     if not t:
         return "unknown"
     if t.get("net") is None and t.get("reason"):

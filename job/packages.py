@@ -20,6 +20,8 @@ import importlib
 import importlib.metadata
 from types import ModuleType
 
+from .config import is_hub_source
+
 DATASETS_VERSION = "5.2.0"
 """The `datasets` pin of requirements.txt (a test keeps them equal): what the fix for a missing one installs."""
 
@@ -57,11 +59,6 @@ def require(module: str, feature: str) -> ModuleType:
 def for_uri(uri: str) -> str | None:
     """The optional package that fsspec needs to open `uri` (`s3fs` for `s3://`), or None."""
     return "s3fs" if uri.startswith(("s3://", "s3a://")) else None
-
-
-def is_hub_source(path: str) -> bool:
-    """`hf:owner/name`: a dataset on the Hugging Face hub, read with `datasets` (`hf://` is a file path instead)."""
-    return path.startswith("hf:") and not path.startswith("hf://")
 
 
 def check_config(cfg) -> None:

@@ -1,12 +1,12 @@
-"""Run report: ``python -m job report RUN_DIR [--out DIR] [--no-plots]``.
+"""Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`.
 
-Reads ``run.json`` (the run record, see ``evidence.py``) and ``metrics.jsonl`` from the run
-directory (local or ``s3://``) and writes, into ``--out`` (default: the run directory when it
-is local, else ``./<run name>-report``):
+Reads `run.json` (the run record, see `evidence.py`) and `metrics.jsonl` from the run
+directory (local or `s3://`) and writes, into `--out` (default: the run directory when it
+is local, else `./<run name>-report`):
 
-* ``report.md``  -- name, status, config highlights, data fingerprint, hardware and transport,
+* `report.md`  -- name, status, config highlights, data fingerprint, hardware and transport,
   preflight bandwidth, final/best eval loss, throughput, MFU, task evals, plots;
-* ``loss.png``, ``throughput.png``, ``mfu.png`` -- when the metrics have those series.
+* `loss.png`, `throughput.png`, `mfu.png` -- when the metrics have those series.
 
 Plotting needs matplotlib (an optional extra). It is imported only when plots are drawn; if it
 is missing, report.md is still written and the command says how to install it.
@@ -22,7 +22,7 @@ from typing import Any
 
 from . import evidence, storage
 
-#: Config keys worth showing first (matched against the last part of the dotted path).
+# Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
                     "epochs", "seed", "precision", "dtype", "source", "format", "shard", "warmup")
 
@@ -32,7 +32,7 @@ class ReportError(RuntimeError):
 
 
 def load_pyplot():
-    """Import matplotlib with the file-only Agg backend; ``ReportError`` with the fix if missing."""
+    """Import matplotlib with the file-only Agg backend; `ReportError` with the fix if missing."""
     try:
         import matplotlib
 
@@ -277,7 +277,7 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m job report RUN_DIR [--out DIR] [--no-plots]``; ``argv`` excludes "report".
+    """`python -m job report RUN_DIR [--out DIR] [--no-plots]`; `argv` excludes "report".
 
     Exit status: 0 report written, 1 report.md written but plots failed (matplotlib missing),
     2 bad input (no run.json and no metrics.jsonl in RUN_DIR).

@@ -1,5 +1,5 @@
-"""Run storage: the same few operations on a local directory (a PVC or NFS mount) and on an object store
-(`s3://…`, through fsspec and s3fs; credentials from the environment). s3fs is optional (`packages`): without it
+"""Run storage: the same few operations on a local directory (a PVC or NFS mount; a `file://` URI is one too)
+and on an object store (`s3://…`, through fsspec and s3fs; credentials from the environment). s3fs is optional (`packages`): without it
 an `s3://` path fails here with the package and the fix named.
 
 Small files (run.json, checkpoint markers) are written atomically: a local file is written beside its target,
@@ -19,7 +19,14 @@ from . import packages
 
 
 def is_remote(uri: str) -> bool:
+    """Whether `uri` is on a filesystem other than the local one (`s3://…`, any fsspec URI). A `file://` URI is
+    local: `local_path` gives the OS path that local operations use."""
     return "://" in uri and not uri.startswith("file://")
+
+
+def local_path(uri: str) -> str:
+    """The OS path of a local path or `file://` URI."""
+    return uri.removeprefix("file://")
 
 
 def join(base: str, *parts: str) -> str:
@@ -80,7 +87,7 @@ def write_atomic(uri: str, data: bytes | str) -> None:
         with fsspec.open(uri, "wb") as f:
             f.write(data)
         return
-    path = uri.removeprefix("file://")
+    path = local_path(uri)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)

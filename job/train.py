@@ -34,7 +34,7 @@ from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_cop
 
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
 # the transport NCCL chose is in its log, and gathers each worker's environment for the run record.
-RECORD_ONLY_PREFLIGHT = {"sizes_mib": [1], "iters": 1, "warmup": 1, "expect": None}
+RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmup=1)
 
 
 def train_loop(loop_config: dict) -> None:

@@ -69,11 +69,13 @@ app.kubernetes.io/name: {{ include "ray-finetune.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{/* imagePullSecrets of every pod (a LocalObjectReference list, YAML; empty when none). */}}
+{{/* imagePullSecrets of every pod, as a LocalObjectReference list (JSON): rendered by raylib.imagePullSecrets. */}}
 {{- define "ray-finetune.imagePullSecrets" -}}
+{{- $references := list }}
 {{- range .Values.imagePullSecrets }}
-- name: {{ . }}
+{{- $references = append $references (dict "name" .) }}
 {{- end }}
+{{- toJson $references }}
 {{- end }}
 
 {{/*
@@ -107,9 +109,8 @@ serviceAccountName: {{ include "ray-finetune.fullname" $ctx }}
 {{- else }}
 automountServiceAccountToken: false
 {{- end }}
-{{- with include "ray-finetune.imagePullSecrets" $ctx }}
-imagePullSecrets:
-  {{- . | nindent 2 }}
+{{- with include "ray-finetune.imagePullSecrets" $ctx | fromJsonArray }}
+{{ include "raylib.imagePullSecrets" . }}
 {{- end }}
 securityContext:
   {{- toYaml $ctx.Values.podSecurityContext | nindent 2 }}
@@ -316,10 +317,7 @@ authOptions:
 pod:
   image: {{ include "ray-finetune.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  {{- with include "ray-finetune.imagePullSecrets" . }}
-  imagePullSecrets:
-    {{- . | nindent 4 }}
-  {{- end }}
+  imagePullSecrets: {{ include "ray-finetune.imagePullSecrets" . }}
   serviceAccountName: {{ include "ray-finetune.fullname" . }}
   labels:
     {{- include "ray-finetune.podLabels" . | nindent 4 }}

@@ -531,6 +531,15 @@ def test_security_contexts_per_role():
     assert head["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_image_pull_secrets_on_every_pod():
+    roles = []
+    for role, spec in all_pods(render("--set", "imagePullSecrets={regcred,mirror}", "--set", "rayCluster.create=true")):
+        roles.append(role)
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}], role
+    assert {"head", "submitter", "test"} <= set(roles)
+    assert all("imagePullSecrets" not in spec for _, spec in all_pods(render())), "none without imagePullSecrets"
+
+
 def test_ray_endpoints_are_closed_and_authenticated():
     objects = render()
     policy = one(objects, "NetworkPolicy")

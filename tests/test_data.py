@@ -78,3 +78,10 @@ def test_builtin_corpus_and_missing_source():
     assert rows.info["python"] == sys.version.split()[0]
     with pytest.raises(data_lib.DataError, match="^data.train: source not found: /nonexistent/corpus.txt$"):
         data_lib.load_source(SourceConfig("/nonexistent/corpus.txt"), "data.train")
+
+
+@pytest.mark.parametrize("pad, eos, expected", [(7, 3, 7), (None, 3, 3), (None, None, 0), (0, 3, 0)])
+def test_padding_id_is_the_pad_token_else_eos_else_zero(pad, eos, expected):
+    from types import SimpleNamespace
+
+    assert data_lib.pad_id(SimpleNamespace(pad_token_id=pad, eos_token_id=eos)) == expected

@@ -1,5 +1,5 @@
-"""Tests of job/nccl.py (NCCL log parsing), job/preflight.py (preflight on gloo, environment, pod image) and
-job/evidence.py (run record, compare)."""
+"""Tests of job/nccl.py (NCCL log parsing), job/preflight.py (preflight on gloo), job/environment.py (worker
+inventory, pod image) and job/evidence.py (run record, compare)."""
 
 import copy
 import datetime
@@ -14,7 +14,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from job import environment as environment_lib
 from job import evidence, nccl, preflight
+from job.config import ExpectConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 SCHEMA = json.loads(Path(evidence.schema_path()).read_text())
@@ -83,6 +85,21 @@ def test_parse_roce_plugin_and_old_formats():
     assert warn["warnings"] == ["NET/OFI Couldn't find any optimal provider"]
 
 
+def test_selected_network_prefers_nccls_own_line_then_channels_then_initialised_modules():
+    scan = nccl._LogScan(ib_devices=["mlx5_0:1/IB"], socket_devices=["eth0:10.0.0.1"], ib_line="NET/IB : Using ..")
+    assert nccl._selected_network(scan) == {"net_plugin": "IB", "net": "ib", "net_line": "NET/IB : Using ..",
+                                            "net_devices": ["mlx5_0:1/IB"], "net_link_layer": "IB"}
+    scan.net_via["Socket"] = 2
+    assert nccl._selected_network(scan)["net"] == "socket"
+    scan.plugins["Libfabric"], scan.plugin_line["Libfabric"], scan.provider = 1, "Using network Libfabric", "efa"
+    assert nccl._selected_network(scan) == {"net_plugin": "Libfabric", "net": "efa", "net_line": "Using network Libfabric",
+                                            "net_devices": []}
+
+
+def test_gloo_entry_has_every_key_of_an_nccl_entry():
+    assert list(nccl.gloo_transport()) == list(nccl.parse_nccl_transport(""))
+
+
 def test_nccl_debug_env_and_log_reader(tmp_path, monkeypatch):
     env = nccl.nccl_debug_env(str(tmp_path))
     assert env["NCCL_DEBUG"] == "INFO"
@@ -120,18 +137,18 @@ def test_check_expectations_messages():
                           _worker(2, "efa", host="n1", net_line="NET/OFI Selected Provider is efa")],
               "all_ranks": {"all_reduce": [{"size_bytes": 2**20, "busbw_gbps": 50.0},
                                            {"size_bytes": 2**30, "busbw_gbps": 12.5}]}}
-    assert preflight.check_expectations(result, None) == []
-    assert preflight.check_expectations(result, {"transport": "efa"}) == [
+    assert preflight.check_expectations(result, ExpectConfig()) == []
+    assert preflight.check_expectations(result, ExpectConfig(transport="efa")) == [
         f"preflight.expect.transport: expected efa, NCCL used socket on ranks 0,1 ({socket_line})"]
-    assert preflight.check_expectations(result, {"transport": "p2p", "min_busbw_gbps": 10}) == []
-    [nvl] = preflight.check_expectations(result, {"transport": "nvlink"})
+    assert preflight.check_expectations(result, ExpectConfig(transport="p2p", min_busbw_gbps=10)) == []
+    [nvl] = preflight.check_expectations(result, ExpectConfig(transport="nvlink"))
     assert "expected nvlink" in nvl and "ranks 0,1" in nvl  # rank 2 is alone on its node
-    [bw] = preflight.check_expectations(result, {"min_busbw_gbps": 100})
+    [bw] = preflight.check_expectations(result, ExpectConfig(min_busbw_gbps=100))
     assert bw == ("preflight.expect.min_busbw_gbps: expected all_reduce busbw >= 100 GB/s at 1024 MiB "
                   "across 3 ranks, measured 12.500 GB/s")
-    [bad] = preflight.check_expectations(result, {"transport": "carrier-pigeon"})
+    [bad] = preflight.check_expectations(result, ExpectConfig(transport="carrier-pigeon"))
     assert "unknown value 'carrier-pigeon'" in bad
-    [gl] = preflight.check_expectations(result, {"transport": "gloo"})
+    [gl] = preflight.check_expectations(result, ExpectConfig(transport="gloo"))
     assert gl.startswith("preflight.expect.transport: expected gloo") and "ranks 0,1,2" in gl
 
 
@@ -204,6 +221,7 @@ def test_preflight_two_gloo_ranks(tmp_path):
     assert (result["backend"], result["world_size"], result["nodes"]) == ("gloo", 2, 1)
     assert "single node" in result["intra_node_skipped"] and result["intra_node"] == {}
     assert result["failures"] == []
+    assert (result["iters"], result["warmup"], result["expect"]) == (3, 1, {"transport": None, "min_busbw_gbps": None})
     for op, factor in (("all_reduce", 1.0), ("all_gather", 0.5)):  # 2(n-1)/n and (n-1)/n at n=2
         [row] = result["all_ranks"][op]
         assert row["size_bytes"] == 2**20
@@ -245,7 +263,7 @@ def test_worker_environment_cpu(monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     import torch
 
-    env = preflight.worker_environment(torch.device("cpu"))
+    env = environment_lib.worker_environment(torch.device("cpu"))
     assert env["hostname"] == socket.gethostname()
     assert env["accelerator"] == {"type": "cpu", "count": 0, "names": [], "memory_gib": []}
     import job
@@ -271,7 +289,7 @@ def runtime_env_install(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(site))
     runtime_env = {"pip": {"packages": ["added-pkg==1.2.3", "PyYAML"], "pip_check": False},
                    "env_vars": {"NCCL_DEBUG": "WARN"}, "_ray_commit": "abc"}
-    return preflight.runtime_env_additions(runtime_env, site_packages=str(site))
+    return environment_lib.runtime_env_additions(runtime_env, site_packages=str(site))
 
 
 def test_runtime_env_additions_tell_installed_from_image_packages(runtime_env_install):
@@ -285,9 +303,9 @@ def test_runtime_env_additions_tell_installed_from_image_packages(runtime_env_in
                      "pyyaml": {"requirement": "PyYAML", "version": yaml.__version__, "installed_at_start": False}},
         "installed_at_start": True}
     # On the image alone (no runtime env, or one the image satisfies) nothing is installed at start.
-    nothing = preflight.runtime_env_additions({"pip": ["PyYAML"], "uv": ["missing-pkg>=1"]}, site_packages="/nowhere")
+    nothing = environment_lib.runtime_env_additions({"pip": ["PyYAML"], "uv": ["missing-pkg>=1"]}, site_packages="/nowhere")
     assert not nothing["installed_at_start"] and nothing["packages"]["missing-pkg"]["version"] == "not installed"
-    assert preflight.runtime_env_additions({})["requirements"] == []
+    assert environment_lib.runtime_env_additions({})["requirements"] == []
 
 
 POD = {
@@ -340,25 +358,25 @@ def fake_api(tmp_path):
 
 def test_pod_image_from_fake_api(fake_api, tmp_path):
     env = {"POD_NAMESPACE": "ml", "POD_NAME": "ft-worker-0"}
-    info = preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)
+    info = environment_lib.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)
     assert info["digest"] == DIGEST_RAY  # the ray container, not the sidecar listed first
     assert (info["image"], info["container"], info["node"]) == ("rayproject/ray:2.60.0-gpu", "ray-worker", "ip-10-0-1-11")
     assert info["image_id"] == f"docker.io/rayproject/ray@{DIGEST_RAY}"
     assert fake_api["seen"] == ["/api/v1/namespaces/ml/pods/ft-worker-0"]
-    side = preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env, container="log-shipper")
+    side = environment_lib.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env, container="log-shipper")
     assert side["digest"] == DIGEST_SIDECAR
 
-    other = preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"],
+    other = environment_lib.pod_image(api_url=fake_api["url"], token_path=fake_api["token"],
                                env={"POD_NAMESPACE": "ml", "POD_NAME": "nope"})
     assert other["digest"] == "unknown" and other["reason"].startswith("HTTP 404")
     bad_token = tmp_path / "bad"
     bad_token.write_text("wrong")
-    denied = preflight.pod_image(api_url=fake_api["url"], token_path=str(bad_token), env=env)
+    denied = environment_lib.pod_image(api_url=fake_api["url"], token_path=str(bad_token), env=env)
     assert "HTTP 401" in denied["reason"] and "get' on pods" in denied["reason"]
-    no_token = preflight.pod_image(api_url=fake_api["url"], token_path=str(tmp_path / "absent"), env=env)
+    no_token = environment_lib.pod_image(api_url=fake_api["url"], token_path=str(tmp_path / "absent"), env=env)
     assert no_token["digest"] == "unknown" and "no service-account token" in no_token["reason"]
-    assert preflight.pod_image(env={})["reason"] == "not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)"
-    assert "POD_NAME" in preflight.pod_image(api_url=fake_api["url"], env={"HOSTNAME": ""})["reason"]
+    assert environment_lib.pod_image(env={})["reason"] == "not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)"
+    assert "POD_NAME" in environment_lib.pod_image(api_url=fake_api["url"], env={"HOSTNAME": ""})["reason"]
 
 
 CHART_ENV = {"JOB_CHART": "ray-finetune", "JOB_CHART_VERSION": "0.1.0", "JOB_RELEASE": "demo",
@@ -368,7 +386,7 @@ CHART_ENV = {"JOB_CHART": "ray-finetune", "JOB_CHART_VERSION": "0.1.0", "JOB_REL
 
 def test_run_record_with_fake_kubernetes(fake_api, tmp_path):
     env = {"POD_NAMESPACE": "ml", "POD_NAME": "ft-worker-0"}
-    pods = [preflight.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)]
+    pods = [environment_lib.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)]
     run_dir = tmp_path / "runs" / "demo"
     record = evidence.start_record(str(run_dir), config={"train": {"lr": 1e-4}}, config_text="train:\n  lr: 0.0001\n",
                                    seed=3, pods=pods, env=CHART_ENV)
@@ -489,9 +507,9 @@ def test_compare_image_run_with_runtime_install_run(tmp_path, monkeypatch, capsy
     """The same job on the image alone and with a runtime-env install: compare shows exactly what was added."""
     for var in list(CHART_ENV) + ["KUBERNETES_SERVICE_HOST"]:
         monkeypatch.delenv(var, raising=False)
-    environment = preflight.worker_environment(pod=False)
+    environment = environment_lib.worker_environment(pod=False)
     assert environment["packages"]["added-pkg"] == "1.2.3"  # the fixture's distribution is importable here
-    image_env = {**environment, "runtime_env": preflight.runtime_env_additions({}),
+    image_env = {**environment, "runtime_env": environment_lib.runtime_env_additions({}),
                  "packages": {k: v for k, v in environment["packages"].items() if k != "added-pkg"}}
     installed_env = {**environment, "runtime_env": runtime_env_install}
     runs = {}

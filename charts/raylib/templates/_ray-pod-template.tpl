@@ -1,3 +1,12 @@
+{{/*
+A pod spec's `imagePullSecrets`: the Ray pods use it, and so may the calling chart's other pods.
+Input: a non-empty LocalObjectReference list.
+*/}}
+{{- define "raylib.imagePullSecrets" -}}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+
 {{/* The one Ray pod template. Input: dict "pod" <pod> "group" <group> "containerName" <name>. */}}
 {{- define "raylib.podTemplate" -}}
 {{- $pod := .pod -}}
@@ -14,8 +23,7 @@ spec:
   serviceAccountName: {{ . }}
   {{- end }}
   {{- with $pod.imagePullSecrets }}
-  imagePullSecrets:
-    {{- toYaml . | nindent 4 }}
+  {{- include "raylib.imagePullSecrets" . | nindent 2 }}
   {{- end }}
   {{- with $group.priorityClassName }}
   priorityClassName: {{ . }}
