@@ -79,3 +79,28 @@ def test_conversion_skips_layers_whose_widths_are_not_multiples_of_16():
     converted = convert_to_float8(tiny_lm(intermediate_size=100), "rowwise")  # gate/up 128 -> 100, down 100 -> 128
     assert converted == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
 
+
+def test_parity_script_runs_bf16_and_reports_a_float8_run_that_cannot_start(tmp_path):
+    """scripts/fp8_parity.py on CPU: the bf16 run trains and is tabled; the float8 one is refused by the job's config
+    check (CPU workers) and reported as FAILED, so the verdict is not PASS."""
+    import json
+    import subprocess
+
+    import yaml
+
+    from conftest import tiny_run_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(tiny_run_config(tmp_path, scaling={"num_workers": 1})))
+    proc = subprocess.run(
+        [sys.executable, "scripts/fp8_parity.py", "--config", str(config), "--steps", "6", "--eval-every", "3",
+         "--log-every", "2", "--skip", "1", "--storage", str(tmp_path / "parity")],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:] + proc.stderr[-3000:]
+    assert "rowwise: FAILED" in out and "parallel.float8: rowwise needs scaling.use_gpu: true" in out
+    table = out[out.index("parallel.float8 "):].splitlines()
+    assert table[1].split()[0] == "none" and table[-1].startswith("FAIL")
+    metrics = [json.loads(line) for line in (tmp_path / "parity" / "parity-none" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if r["kind"] == "eval"] == [0, 3, 6]
+    assert not list((tmp_path / "parity" / "parity-none").glob("checkpoint_*"))  # deleted once read
