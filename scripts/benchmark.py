@@ -201,7 +201,7 @@ def main() -> int:
     rows, started = [], time.time()
     with tempfile.TemporaryDirectory(prefix="bench-", dir=args.workdir) as tmp:
         for name in names:
-            left = args.budget - (time.time() - started) if args.budget else args.timeout
+            left = args.budget - (time.time() - started) if args.budget else float("inf")
             if left < 30:  # not even the model build would fit
                 rows.append({"variant": name, "launcher": VARIANTS[name].launcher, "gpus": args.gpus,
                              "batch": VARIANTS[name].batch, "accum": VARIANTS[name].accum,
