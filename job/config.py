@@ -196,6 +196,14 @@ class ParallelConfig:
     shard_group_size: int = constrained(0, minimum=0)
     """Hybrid sharding (HSDP): shard the model within groups of this many workers (e.g. the GPUs of one node)
     and replicate it across groups, so only gradient all-reduces cross groups; 0 shards across all workers."""
+    float8: Literal["none", "rowwise", "tensorwise"] = "none"
+    """FP8 GEMMs in the decoder layers' linear projections (torchao float8 training; never on unless set):
+    `rowwise` scales each row of the inputs and weights by its own power-of-two factor (the more accurate
+    recipe), `tensorwise` one factor per tensor (faster, coarser); activations, weights and gradients are cast
+    to float8 e4m3 per GEMM, the master weights, optimizer state and everything outside those layers stay as
+    before. Skips the output head (`lm_head`, tied to the embeddings) and any linear layer whose input or output
+    width is not a multiple of 16 (float8 GEMMs need it). Needs the `torchao` package, CUDA GPUs of compute
+    capability 8.9 or newer (Ada, Hopper, Blackwell) and bf16 compute. Works best with `compile: true`."""
 
 
 @dataclass
@@ -441,6 +449,12 @@ def validate(cfg: RunConfig) -> None:
         errors.append("parallel.compile: not supported together with parallel.cpu_offload")
     if cfg.parallel.mixed_precision == "bf16" and not cfg.scaling.use_gpu:
         errors.append("parallel.mixed_precision: bf16 needs scaling.use_gpu: true (CPU runs use fp32)")
+    if cfg.parallel.float8 != "none" and not cfg.scaling.use_gpu:
+        errors.append(f"parallel.float8: {cfg.parallel.float8} needs scaling.use_gpu: true (float8 GEMMs run on CUDA "
+                      "GPUs of compute capability >= 8.9)")
+    elif cfg.parallel.float8 != "none" and cfg.parallel.mixed_precision == "fp32":
+        errors.append(f"parallel.float8: {cfg.parallel.float8} needs bf16 compute (parallel.mixed_precision: auto or "
+                      "bf16), not fp32")
     if not cfg.checkpoint.resume.strip():
         errors.append("checkpoint.resume: expected auto, never or a checkpoint directory/URI, got ''")
     if cfg.checkpoint.export_tolerance <= 0:

@@ -208,16 +208,58 @@ def device_mesh(device_type: str, world: int, shard_group_size: int) -> DeviceMe
     )
 
 
+FLOAT8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability of the first GPUs with float8 tensor cores (Ada; Hopper is 9.0)."""
+
+
+def check_float8_device(recipe: str, device_type: str) -> None:
+    """Raises a `RuntimeError` naming `parallel.float8` unless this process's device can run float8 GEMMs."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"parallel.float8: {recipe} needs a CUDA GPU (compute capability >= 8.9), and this "
+                           f"worker has none (device type {device_type}); set parallel.float8: none")
+    capability = torch.cuda.get_device_capability()
+    if capability < FLOAT8_MIN_CAPABILITY:
+        raise RuntimeError(f"parallel.float8: {recipe} needs compute capability >= 8.9 (Ada, Hopper or newer); "
+                           f"{torch.cuda.get_device_name()} has {capability[0]}.{capability[1]}; set parallel.float8: none")
+
+
+def float8_eligible(module: nn.Module, fqn: str) -> bool:
+    """Which linear layers `convert_to_float8` swaps: every `nn.Linear` but the output head, with both widths
+    multiples of 16 (what float8 GEMMs accept)."""
+    return (isinstance(module, nn.Linear) and fqn.split(".")[-1] != "lm_head"
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert_to_float8(lm: nn.Module, recipe: str) -> list[str]:
+    """Swaps the LM's eligible linear layers (`float8_eligible`) for torchao's `Float8Linear` with the `recipe`'s
+    scaling (`rowwise` or `tensorwise`), in place; returns their names. Parameters keep their names, dtypes
+    and values (checkpoints, the export and `gathered_copy` see plain linear weights). Call before
+    `torch.compile` and sharding: `parallelize` does. Needs `torchao`."""
+    from . import packages
+
+    packages.require("torchao", f"parallel.float8: {recipe}")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    names = [fqn for fqn, module in lm.named_modules() if float8_eligible(module, fqn)]
+    convert_to_float8_training(lm, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=float8_eligible)
+    return names
+
+
 def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, bf16: bool) -> CausalLMWithLoss:
     """Applies FSDP2: `fully_shard` on each decoder layer, then on the root (embeddings, final norm, head).
 
-    Per layer, in order: activation checkpointing (recompute in backward), `torch.compile` (one compiled
-    graph per layer: the layers are identical, so it compiles once), then sharding. With bf16, parameters are
-    gathered and computed in bf16 while the sharded master weights and optimizer state stay fp32; gradients
-    are reduced in `cfg.reduce_dtype`.
+    First, with `cfg.float8` other than `none`, the linear layers become float8 ones (`convert_to_float8`: all
+    but the head and those whose widths are not multiples of 16; a clear error without torchao or a GPU of
+    compute capability >= 8.9). Then per layer, in order: activation checkpointing (recompute in backward),
+    `torch.compile` (one compiled graph per layer: the layers are identical, so it compiles once), then
+    sharding. With bf16, parameters are gathered and computed in bf16 while the sharded master weights and
+    optimizer state stay fp32; gradients are reduced in `cfg.reduce_dtype`.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    if cfg.float8 != "none":
+        check_float8_device(cfg.float8, mesh.device_type)
+        convert_to_float8(model.lm, cfg.float8)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=REDUCE_DTYPES[cfg.reduce_dtype])
     shard_args = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:

@@ -12,7 +12,9 @@ metrics.jsonl: the median over logging intervals after the first `--skip` ones (
     python scripts/benchmark.py --preset qwen2-tiny --seq-len 64 --cpu --steps 6 --only default,chunked-ce,hf
 
 Columns: tokens/s per device, MFU (6N + 12·L·H·T FLOPs per token over the device's peak bf16 FLOP/s), step
-time, peak memory, and the ratio of tokens/s to the baseline's (the first row named `hf`).
+time, peak memory, and the ratio of tokens/s to each of the two baselines of the same global batch and GPU
+count: `vs hf`, the plain Trainer (`hf`, `hf-accum2`), and `vs liger`, the Trainer with Liger's kernels
+(`hf-liger`, `hf-liger-b8`). `--budget` bounds the whole run (variants in order; the rest are skipped).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,10 +50,14 @@ BEST = {"parallel.reshard_after_forward": False, "train.loss_chunk_size": 4096, 
 CUDNN = {**BEST, "model.sdpa_backend": "cudnn"}
 BF16_REDUCE = {**CUDNN, "parallel.reduce_dtype": "bf16"}
 AUTOTUNE = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+LIGER = {"liger": True}  # TrainingArguments(use_liger_kernel=True): the strongest peer with one flag (issue 19)
+FP8 = {**CUDNN, "parallel.float8": "rowwise"}  # on top of best-cudnn, our current best bf16 settings
 VARIANTS = {
     "hf": Variant("hf", 4),
     "hf-accum2": Variant("hf", 4, accum=2),  # global batch 8 (micro-batch 8 runs out of memory)
     "hf-cudnn": Variant("hf", 4, {"sdpa-backend": "cudnn"}),  # fairness check: our attention kernel in HF's loop
+    "hf-liger": Variant("hf", 4, LIGER),
+    "hf-liger-b8": Variant("hf", 8, LIGER),  # fits: Liger's fused linear cross-entropy has no fp32 logits
     "default": Variant("torchrun", 4),
     "no-reshard": Variant("torchrun", 4, {"parallel.reshard_after_forward": False}),
     "chunked-ce": Variant("torchrun", 4, {"train.loss_chunk_size": 4096}),
@@ -66,7 +74,12 @@ VARIANTS = {
     "best-ray": Variant("ray", 4, BEST),
     "best-cudnn-ray": Variant("ray", 4, CUDNN),
     "best-cudnn-hsdp": Variant("torchrun", 4, {**CUDNN, "parallel.shard_group_size": 1}),
+    "best-fp8": Variant("torchrun", 4, FP8),
+    "best-b8-fp8": Variant("torchrun", 8, FP8),
 }
+BASELINES = {"vs hf": {}, "vs liger": LIGER}
+"""The ratio columns: each divides by the baseline script's row with exactly these options (at the same global
+batch and GPU count, from the same run)."""
 
 
 def run_config(args, name: str, variant: Variant, nproc: int, storage: str) -> dict:
@@ -84,7 +97,7 @@ def run_config(args, name: str, variant: Variant, nproc: int, storage: str) -> d
     }
 
 
-def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
+def run_variant(args, name: str, nproc: int, workdir: Path, timeout: float) -> dict:
     variant = VARIANTS[name]
     launcher, tokens_per_step = variant.launcher, variant.batch * variant.accum * args.seq_len
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **variant.env}
@@ -95,7 +108,7 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
                args.preset, "--seq-len", str(args.seq_len),
                "--batch", str(variant.batch), "--grad-accum", str(variant.accum), "--steps", str(args.steps),
                "--warmup", str(args.skip * args.log_every),
-               *(f"--{option}={value}" for option, value in variant.overrides.items())]
+               *(f"--{option}" if value is True else f"--{option}={value}" for option, value in variant.overrides.items())]
     else:
         config = workdir / f"{name}-{nproc}.yaml"
         config.write_text(yaml.safe_dump(run_config(args, name, variant, nproc, str(workdir / "runs"))))
@@ -104,9 +117,18 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
         cmd = [*torchrun, *job] if launcher == "torchrun" else [sys.executable, *job]
     started = time.time()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        # Its own process group, so that a timeout stops the launcher's workers too (they hold the GPU).
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"timeout after {timeout:.0f} s"
     row = {"variant": name, "launcher": launcher, "gpus": nproc, "batch": variant.batch, "accum": variant.accum,
            "wall_s": round(time.time() - started)}
+    if args.out:  # the variant's whole log beside the rows (the work directory goes at the end)
+        shutil.copy(log, Path(args.out).with_name(f"{Path(args.out).stem}-{name}-{nproc}.log"))
     if rc != 0:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         causes = [line for line in lines if "Error" in line or "error:" in line][-3:]  # the launcher's summary hides them
@@ -130,22 +152,26 @@ def run_variant(args, name: str, nproc: int, workdir: Path) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    """One line per variant; `vs hf`: tokens/s over the baseline's (as specified: no options) at the same global
-    batch and GPU count."""
-    baselines = {(r["batch"] * r["accum"], r["gpus"]): r["tokens_per_s_per_device"]
-                 for r in rows if r["launcher"] == "hf" and not VARIANTS[r["variant"]].overrides and "error" not in r}
+    """One line per variant; each `BASELINES` column: tokens/s over that baseline's (the baseline script with
+    exactly its options) at the same global batch and GPU count, `-` where the run has no such baseline."""
+    baselines = {column: {(r["batch"] * r["accum"], r["gpus"]): r["tokens_per_s_per_device"] for r in rows
+                          if r["launcher"] == "hf" and VARIANTS[r["variant"]].overrides == options and "error" not in r
+                          and "skipped" not in r}
+                 for column, options in BASELINES.items()}
     print(f"{'variant':<27}{'launcher':<10}{'GPUs':>5}{'mb x acc':>9}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
-          f"{'mem GiB':>9}{'vs hf':>7}")
+          f"{'mem GiB':>9}" + "".join(f"{column:>10}" for column in BASELINES))
     for r in rows:
         head = f"{r['variant']:<27}{r['launcher']:<10}{r['gpus']:>5}{str(r['batch']) + ' x ' + str(r['accum']):>9}"
-        if "error" in r:
-            print(f"{head}  FAILED {r['error']}")
+        if "error" in r or "skipped" in r:
+            print(f"{head}  " + (f"FAILED {r['error']}" if "error" in r else f"SKIPPED {r['skipped']}"))
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
-        base = baselines.get((r["batch"] * r["accum"], r["gpus"]))
-        ratio = f"{r['tokens_per_s_per_device'] / base:.2f}" if base else "-"
-        print(f"{head}{r['tokens_per_s_per_device']:>11.0f}{mfu:>7}{r['step_time_s']:>8.3f}{mem:>9}{ratio:>7}")
+        ratios = ""
+        for by_batch in baselines.values():
+            base = by_batch.get((r["batch"] * r["accum"], r["gpus"]))
+            ratios += f"{r['tokens_per_s_per_device'] / base:>10.2f}" if base else f"{'-':>10}"
+        print(f"{head}{r['tokens_per_s_per_device']:>11.0f}{mfu:>7}{r['step_time_s']:>8.3f}{mem:>9}{ratios}")
 
 
 def main() -> int:
@@ -159,7 +185,12 @@ def main() -> int:
     p.add_argument("--cpu", action="store_true", help="CPU processes with gloo (smoke test of this script)")
     p.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants, in order")
     p.add_argument("--timeout", type=int, default=600, help="seconds per variant")
+    p.add_argument("--budget", type=int, help="seconds for the whole run: each variant's timeout is cut to what is "
+                   "left, and variants not started in time are reported as skipped")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--workdir", help="where the runs (logs, metrics, each run's final checkpoint until it is deleted) "
+                   "go; default: the system's temporary directory. On a GPU machine, a tmpfs (/dev/shm) saves the "
+                   "~20 s a 1.5B model's 18 GB checkpoint takes to write to disk")
     p.add_argument("--profile-step", type=int, help="profile this step of each of our variants (debug.profile_step); "
                    "categories go into the rows, kernel tables beside --out")
     args = p.parse_args()
@@ -167,14 +198,24 @@ def main() -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+    rows, started = [], time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-", dir=args.workdir) as tmp:
         for name in names:
-            rows.append(run_variant(args, name, args.gpus, Path(tmp)))
+            left = args.budget - (time.time() - started) if args.budget else float("inf")
+            if left < 30:  # not even the model build would fit
+                rows.append({"variant": name, "launcher": VARIANTS[name].launcher, "gpus": args.gpus,
+                             "batch": VARIANTS[name].batch, "accum": VARIANTS[name].accum,
+                             "skipped": f"--budget {args.budget} s used up"})
+            else:
+                rows.append(run_variant(args, name, args.gpus, Path(tmp), min(args.timeout, left)))
+                # Its final checkpoint (18 GB for a 1.5B model with AdamW state) would fill the disk a few
+                # variants later: only the metrics were needed, and they are read.
+                shutil.rmtree(Path(tmp) / "runs" / name, ignore_errors=True)
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     print_table(rows)
+    print("wall s: " + ", ".join(f"{r['variant']} {r['wall_s']}" for r in rows if "wall_s" in r), flush=True)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -14,6 +14,11 @@
 #       the run config is read from its ConfigMap as the kubelet mounts it, and only what needs the hub (the
 #       pretrained model) or the cluster (storage) is overridden, plus the --set arguments given (e.g.
 #       --set scaling.num_workers=2 on two GPUs)
+#   scripts/device-bench.sh issue19 [VARIANTS]                     ONE GPU, one table against both peers (issue 19): the
+#       HF Trainer plain and with Liger's kernels, our best bf16 (best-cudnn) and FP8 (rowwise), micro-batch 4 then 8
+#       (default: hf,hf-liger,best-cudnn,best-fp8,hf-liger-b8,best-b8-cudnn,best-b8-fp8), all within BUDGET seconds
+#       (default 450; variants in order, what does not fit is skipped, so the call ends before 8 minutes); the runs
+#       go to /dev/shm when it has room for a checkpoint. Carry .whl (with liger-kernel and torchao).
 # Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out. BENCH_ARGS adds
 # arguments to every benchmark call, e.g. BENCH_ARGS="--profile-step 12 --timeout 400".
 set -uo pipefail
@@ -35,6 +40,13 @@ case "${1:-1gpu}" in
     CUDA_VISIBLE_DEVICES=1 "${bench[@]}" --gpus 1 --only "${3:-compile,compile-no-reshard,best,best-b8}" --out "$out/gpu1.json" >"$out/gpu1.log" 2>&1 &
     wait
     tail -n 14 "$out/gpu0.log" "$out/gpu1.log" ;;
+  issue19)
+    # A tmpfs with room for each run's final checkpoint (~18 GB, deleted after the run) writes it in seconds.
+    workdir=(); [ "$(df --output=avail -BG /dev/shm 2>/dev/null | tail -n 1 | tr -dc 0-9)" -ge 40 ] 2>/dev/null \
+      && workdir=(--workdir /dev/shm)
+    "${bench[@]}" --gpus 1 --budget "${BUDGET:-450}" "${workdir[@]}" --out "$out/issue19.json" \
+      --only "${2:-hf,hf-liger,best-cudnn,best-fp8,hf-liger-b8,best-b8-cudnn,best-b8-fp8}" >"$out/issue19.log" 2>&1
+    echo "exit $? ${workdir[*]}"; grep -v '^{' "$out/issue19.log" | tail -n 10 ;;
   2gpu)
     "${bench[@]}" --gpus 2 --only "${2:-hf,compile-no-reshard,best,best-ray}" --out "$out/gpu2.json" 2>&1 | tee "$out/gpu2.log" | tail -n 8 ;;
   gsm8k)

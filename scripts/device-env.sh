@@ -25,7 +25,8 @@ from importlib.metadata import distribution, version, PackageNotFoundError
 from packaging.requirements import Requirement
 want = {"ray": {"train"}, "datasets": set(), "pydantic": set(), "pydantic-core": set(),
         "jsonschema": set(), "referencing": set(), "multiprocess": set(),
-        "tensorboardX": set(), "transformers": {"torch"}, "accelerate": set(), "pytest": set()}
+        "tensorboardX": set(), "transformers": {"torch"}, "accelerate": set(), "pytest": set(),
+        "liger-kernel": set(), "torchao": set()}
 bad = []
 for name, extras in want.items():
     try:

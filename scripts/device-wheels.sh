@@ -6,9 +6,12 @@
 # ray nor datasets. This fetches ray==2.60.0, datasets==5.2.0 and exactly those of their
 # runtime dependencies (ray core + the `train` extra, datasets without extras) that the
 # image does not have, for cp312 manylinux x86_64, one version each (two versions of one
-# package stop the install). The ray wheel is then rebuilt without ray/jars/ (Java
-# worker, ~31 MiB) and *.js.map (dashboard source maps) so that everything carried to the
-# device stays under its 64 MiB limit. See docs/device.md.
+# package stop the install), plus the two packages of the issue-19 benchmark: liger-kernel
+# (Triton kernels for the Trainer baseline with Liger) and torchao (float8 training). The ray
+# wheel is then rebuilt without ray/jars/ (Java worker, ~31 MiB) and *.js.map (dashboard
+# source maps), and torchao's without its compiled kernels (_C*.so: CUTLASS/MX kernels that
+# float8 training does not use; it calls torch._scaled_mm), so that everything carried to
+# the device stays under its 64 MiB limit. See docs/device.md.
 #
 # Usage (repo root, on the dev machine, needs PyPI):  bash scripts/device-wheels.sh
 set -euo pipefail
@@ -23,6 +26,8 @@ DEST=.whl
 #   ray[train]:    tensorboardX, pydantic -> pydantic-core, annotated-types, typing-inspection
 #   datasets:      dill, multiprocess
 #   the tests' CUDA cases (python -m pytest tests/test_loss.py there): pytest -> iniconfig, pluggy, pygments
+#   issue 19: liger-kernel (needs torch and triton: the image's torch brings triton), torchao (no
+#   runtime dependencies; 0.18.0 is ABI-stable against torch >= 2.11, job/packages.py TORCHAO_VERSION)
 # Already on the device, within the bounds (versions read there 2026-11-30): click filelock
 # msgpack packaging (26.3) protobuf (7.36.2) pyyaml requests attrs numpy (2.5.2) pandas
 # (3.0.6) pyarrow (25.0.1; datasets needs >=24) fsspec (2026.7.0; datasets needs <=2026.9.0)
@@ -47,6 +52,8 @@ PKGS=(
   iniconfig==2.3.1
   pluggy==1.7.0
   pygments==2.21.0
+  liger-kernel==0.8.5
+  torchao==0.18.0
 )
 
 mkdir -p "$DEST"
@@ -57,30 +64,32 @@ mkdir -p "$DEST"
   --platform manylinux1_x86_64 --platform any \
   -d "$DEST" "${PKGS[@]}"
 
-# Slim the ray wheel: drop ray/jars/ and *.js.map and their RECORD lines (pip checks the
-# hashes of the files it installs against RECORD, and files absent from the zip must not
-# be listed). Rewrites in place; a second run is a no-op.
-"$PY" - "$DEST"/ray-2.60.0-*.whl <<'EOF'
-import os, sys, zipfile
-src = sys.argv[1]
-drop = lambda n: n.startswith("ray/jars/") or n.endswith(".js.map")
-with zipfile.ZipFile(src) as zin:
-    names = zin.namelist()
-    if not any(drop(n) for n in names):
-        print(f"{src}: already slim"); sys.exit(0)
-    tmp = src + ".tmp"
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zout:
-        for info in zin.infolist():
-            n = info.filename
-            if drop(n):
-                continue
-            data = zin.read(info)
-            if n.endswith(".dist-info/RECORD"):
-                lines = data.decode().splitlines(keepends=True)
-                data = "".join(l for l in lines if not drop(l.split(",", 1)[0])).encode()
-            zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
-os.replace(tmp, src)
-print(f"{src}: slimmed to {os.path.getsize(src) / 2**20:.1f} MiB")
+# Slim the ray and torchao wheels: drop ray/jars/ and *.js.map, torchao/_C*.so, and their
+# RECORD lines (pip checks the hashes of the files it installs against RECORD, and files
+# absent from the zip must not be listed). Rewrites in place; a second run is a no-op.
+"$PY" - "$DEST"/ray-2.60.0-*.whl "$DEST"/torchao-0.18.0-*.whl <<'EOF'
+import fnmatch, os, sys, zipfile
+DROP = {"ray-": lambda n: n.startswith("ray/jars/") or n.endswith(".js.map"),
+        "torchao-": lambda n: fnmatch.fnmatch(n, "torchao/_C*.so")}
+for src in sys.argv[1:]:
+    drop = next(rule for prefix, rule in DROP.items() if os.path.basename(src).startswith(prefix))
+    with zipfile.ZipFile(src) as zin:
+        if not any(drop(n) for n in zin.namelist()):
+            print(f"{src}: already slim")
+            continue
+        tmp = src + ".tmp"
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zout:
+            for info in zin.infolist():
+                n = info.filename
+                if drop(n):
+                    continue
+                data = zin.read(info)
+                if n.endswith(".dist-info/RECORD"):
+                    lines = data.decode().splitlines(keepends=True)
+                    data = "".join(l for l in lines if not drop(l.split(",", 1)[0])).encode()
+                zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    os.replace(tmp, src)
+    print(f"{src}: slimmed to {os.path.getsize(src) / 2**20:.1f} MiB")
 EOF
 
 # One version of each package, or the device install stops.

@@ -10,6 +10,8 @@ GPU (bf16 autocast, SDPA attention, FSDP2 full-shard of Qwen2DecoderLayer, fused
         --seq-len 4096 --batch 4 --steps 15 --warmup 5
   (N=1 also goes through FSDP2, so the code path matches N>1; --fsdp off for plain 1-GPU.)
   --grad-accum K: K micro-batches per optimizer step; a step's tokens are batch × K × seq-len.
+  --liger: `TrainingArguments(use_liger_kernel=True)`, the Trainer with Liger's Triton kernels (RMSNorm, SwiGLU,
+  RoPE, fused linear cross-entropy; needs the liger-kernel package and a CUDA device).
 CPU (CI): python scripts/hf_trainer_baseline.py --preset qwen2-tiny --seq-len 32 --batch 2 --steps 3 --warmup 1
   (fp32, one process, no FSDP.)
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -36,6 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # The same architectures as the job's (`model.preset`), so both sides of the benchmark train the same model.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from job.metrics import flops_per_token, peak_flops  # noqa: E402
 from job.model import PRESETS  # noqa: E402
 
 
@@ -94,6 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--sdpa-backend", choices=["default", "cudnn"], default="default",
                    help="cudnn: force SDPA's cuDNN attention, as our job's model.sdpa_backend does (a fairness "
                         "check of the comparison; the reference baseline keeps PyTorch's default choice)")
+    p.add_argument("--liger", action="store_true",
+                   help="TrainingArguments(use_liger_kernel=True): Liger's fused RMSNorm, SwiGLU, RoPE and linear "
+                        "cross-entropy (the fp32 logits are never materialised); Triton kernels, so CUDA only")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -101,6 +109,10 @@ def parse_args(argv=None):
         p.error("--steps must exceed --warmup + 1 (need at least two timed step ends)")
     if a.sdpa_backend == "cudnn" and not torch.cuda.is_available():
         p.error("--sdpa-backend cudnn needs a CUDA device")
+    if a.liger and not torch.cuda.is_available():
+        p.error("--liger needs a CUDA device (Liger's kernels are Triton GPU kernels)")
+    if a.liger and importlib.util.find_spec("liger_kernel") is None:
+        p.error("--liger needs the liger-kernel package (scripts/device-wheels.sh carries it to the GPU machines)")
     return a
 
 
@@ -157,6 +169,7 @@ def main(argv=None) -> dict:
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
         seed=a.seed,
+        use_liger_kernel=a.liger,
         **fsdp_kw,
     )
     data = RandomTokens(a.steps * a.batch * a.grad_accum * world, a.seq_len, cfg.vocab_size, seed=a.seed)
@@ -177,6 +190,9 @@ def main(argv=None) -> dict:
     intervals = [b - e for e, b in zip(timer.ends, timer.ends[1:])][a.warmup:]
     step = statistics.median(intervals)
     tokens = a.batch * a.grad_accum * a.seq_len
+    # MFU by the job's own formula and peak table, so the benchmark's columns compare like with like.
+    peak = peak_flops(torch.device("cuda", local_rank), None) if cuda else None
+    flops = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, a.seq_len)
     res = {
         "impl": "hf_trainer" + (f"_fsdp{fsdp_version}" if fsdp_version else ""),
         "wrapped": type(trainer.model_wrapped).__name__,
@@ -190,11 +206,13 @@ def main(argv=None) -> dict:
         "warmup": a.warmup,
         "grad_ckpt": a.grad_ckpt,
         "sdpa_backend": a.sdpa_backend,
+        "liger": importlib.metadata.version("liger-kernel") if a.liger else None,
         "dtype": "bf16-autocast" if cuda else "fp32",
         "step_time_s": round(step, 5),
         "compute_step_time_s": round(statistics.median(timer.compute[a.warmup + 1:]), 5),
         "tokens_per_s_per_device": round(tokens / step, 1),
         "tokens_per_s_total": round(tokens * world / step, 1),
+        "mfu": round(tokens / step * flops / peak, 4) if peak else None,
         "final_loss": round(float(out.training_loss), 4),
         "peak_mem_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "peak_mem_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,

@@ -193,6 +193,11 @@ naming the field as the job does, prefixed with `run.`. Input: dict "ctx" $ "run
 {{- if and (eq $p.mixed_precision "bf16") (not $s.use_gpu) }}
 {{- fail "run.parallel.mixed_precision: bf16 needs GPU workers (CPU runs use fp32)" }}
 {{- end }}
+{{- if and (ne $p.float8 "none") (not $s.use_gpu) }}
+{{- fail (printf "run.parallel.float8: %s needs GPU workers (float8 GEMMs run on CUDA GPUs of compute capability >= 8.9)" $p.float8) }}
+{{- else if and (ne $p.float8 "none") (eq $p.mixed_precision "fp32") }}
+{{- fail (printf "run.parallel.float8: %s needs bf16 compute (run.parallel.mixed_precision: auto or bf16), not fp32" $p.float8) }}
+{{- end }}
 {{- range $key := list "fail_at_step" "profile_step" }}
 {{- $step := index $debug $key }}
 {{- if and (not (kindIs "invalid" $step)) (gt (int $step) $maxSteps) }}

@@ -26,25 +26,64 @@ def test_benchmark_runs_every_launcher_and_prints_the_table(tmp_path):
     # Our variants were profiled at step 3: device time by category in the row, the kernel table beside it.
     assert rows[2]["profile"]["by_category_ms"]["matmul"] > 0 and "profile" not in rows[0]
     assert (tmp_path / "rows-best-ray-2.profile.txt").read_text().startswith("step 3 on cpu")
-    table = result.stdout.splitlines()[-5:]
+    table = result.stdout.splitlines()[-6:-1]
+    assert result.stdout.splitlines()[-1].startswith("wall s: hf ")
+    assert (tmp_path / "rows-default-2.log").exists()  # each variant's log beside the rows
     assert table[0].split()[:2] == ["variant", "launcher"] and table[4].startswith("best-ray")
     # Each baseline's ratio to itself (the ratio is to the baseline of the same global batch), and no ratio for a
-    # global batch the baseline did not run.
-    assert table[1].split()[-1] == "1.00" and table[2].split()[-1] == "1.00" and table[3].split()[-1] != "-"
+    # global batch the baseline did not run; no Trainer-with-Liger row on CPU, so its column is empty.
+    assert table[0].split()[-4:] == ["vs", "hf", "vs", "liger"]
+    assert table[1].split()[-2] == "1.00" and table[2].split()[-2] == "1.00" and table[3].split()[-2] != "-"
+    assert [line.split()[-1] for line in table[1:]] == ["-"] * 4
 
 
-def test_ratios_are_to_the_baseline_as_specified_not_to_its_variants(capsys):
-    """`hf-cudnn` (the baseline with an option) is a row of its own; ratios stay against plain `hf`."""
+def load_benchmark():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
+    return benchmark
+
+
+def test_ratios_are_to_the_baseline_as_specified_not_to_its_variants(capsys):
+    """`hf-cudnn` (the baseline with an option) is a row of its own; ratios stay against plain `hf` (`vs hf`) and
+    the Trainer with Liger (`vs liger`), each at the same global batch: `best-b8-fp8` has only a Liger peer here
+    (the plain Trainer's global batch 8 is `hf-accum2`), a skipped variant no figures."""
+    benchmark = load_benchmark()
     row = dict(gpus=1, batch=4, accum=1, mfu=None, step_time_s=1.0, peak_mem_gib=None)
     benchmark.print_table([
         {**row, "variant": "hf", "launcher": "hf", "tokens_per_s_per_device": 100.0},
         {**row, "variant": "hf-cudnn", "launcher": "hf", "tokens_per_s_per_device": 110.0},
+        {**row, "variant": "hf-liger", "launcher": "hf", "tokens_per_s_per_device": 125.0},
         {**row, "variant": "best-cudnn", "launcher": "torchrun", "tokens_per_s_per_device": 150.0},
+        {**row, "variant": "hf-liger-b8", "launcher": "hf", "batch": 8, "tokens_per_s_per_device": 140.0},
+        {**row, "variant": "best-b8-fp8", "launcher": "torchrun", "batch": 8, "tokens_per_s_per_device": 175.0},
+        {**row, "variant": "best-fp8", "launcher": "torchrun", "skipped": "--budget 400 s used up"},
     ])
-    ratios = [line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]]
-    assert ratios == ["1.00", "1.10", "1.50"]
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[-2:] for line in lines[:-1]] == [
+        ["1.00", "0.80"], ["1.10", "0.88"], ["1.25", "1.00"], ["1.50", "1.20"], ["-", "1.00"], ["-", "1.25"]]
+    assert lines[-1].startswith("best-fp8") and lines[-1].endswith("SKIPPED --budget 400 s used up")
+
+
+def test_liger_and_fp8_variants_pass_their_options():
+    """`hf-liger` passes the baseline script's `--liger` flag; the FP8 rows are best-cudnn plus rowwise float8."""
+    benchmark = load_benchmark()
+    v = benchmark.VARIANTS
+    assert v["hf-liger"].overrides == {"liger": True} and (v["hf-liger"].batch, v["hf-liger-b8"].batch) == (4, 8)
+    assert v["best-fp8"].overrides == {**v["best-cudnn"].overrides, "parallel.float8": "rowwise"}
+    assert (v["best-fp8"].batch, v["best-b8-fp8"].batch) == (4, 8)
+
+
+def test_liger_row_reaches_the_baseline_script_which_refuses_it_without_cuda(tmp_path):
+    """On CPU the `hf-liger` row fails with the baseline script's own message: the flag got through."""
+    out = tmp_path / "rows.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "1",
+         "--steps", "4", "--log-every", "1", "--skip", "1", "--only", "hf-liger", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    [row] = json.loads(out.read_text())
+    assert row["variant"] == "hf-liger" and "--liger needs a CUDA device" in row["error"]

@@ -36,3 +36,11 @@ def test_cudnn_attention_without_cuda_is_refused_by_name():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--preset", "qwen2-tiny", "--sdpa-backend", "cudnn"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--sdpa-backend cudnn needs a CUDA device" in proc.stderr
+
+
+def test_liger_without_cuda_is_refused_by_name():
+    """`--liger` (TrainingArguments(use_liger_kernel=True)) needs Triton on a GPU: refused cleanly on CPU."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--preset", "qwen2-tiny", "--liger"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--liger needs a CUDA device" in proc.stderr
