@@ -5,6 +5,8 @@ Two launchers run the same `train.train_loop`:
   embedded single-node Ray started here when `RAY_ADDRESS` is unset (laptops, CI).
 * torchrun: `torchrun --nproc-per-node N -m job --config run.yaml` runs the loop in each torchrun process,
   for benchmarks and debugging without Ray.
+The loop never asks which one runs it: it calls the `Launcher` built here (device and process group, progress bar,
+final report).
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import os
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
 from . import export as export_lib
 from . import storage
+from .metrics import progress_style
 from .train import train_loop
 
 
@@ -121,8 +127,8 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
 def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
 
-    Returns the workers' `loop_config`, without the launcher name. Raises `CheckpointError` first when
-    `checkpoint.resume` forbids starting (`never` on a run name that has checkpoints, a missing start point).
+    Returns the workers' `loop_config`. Raises `CheckpointError` first when `checkpoint.resume` forbids starting
+    (`never` on a run name that has checkpoints, a missing start point).
     """
     started_at = time.time()  # the run's time accounting starts here (metrics.Timeline)
     checkpoint_lib.check_before_start(cfg, run_dir)
@@ -203,10 +209,76 @@ def _autoscaler_groups() -> list[tuple[dict, int]] | None:
     return [(dict(g.resources), g.max_count) for g in config.node_group_configs]
 
 
+class Launcher:
+    """What the training loop (`train.train_loop`) asks of the launcher that started its process, so that it never
+    asks which launcher that is: the device and process group, how rank 0 shows its progress bar, and the final
+    report. One per worker process, built here (`RayLauncher`, `TorchrunLauncher`)."""
+
+    def setup_device(self, use_gpu: bool) -> torch.device:
+        """This worker's device, with the process group created (before the first collective)."""
+        raise NotImplementedError
+
+    def progress_style(self, setting: str) -> str | None:
+        """`metrics.progress_style` for `logging.progress_bar` `setting`, on the stream the bar is drawn on."""
+        raise NotImplementedError
+
+    def report(self, metrics: dict) -> None:
+        """Tells the launcher the worker's last metrics, once the run is complete."""
+
+
+class RayLauncher(Launcher):
+    """A Ray Train worker: Ray Train has created the process group and chosen the device; the driver draws the
+    progress bar that rank 0 reports."""
+
+    def __init__(self, driver_tty: bool):
+        self.driver_tty = driver_tty
+        """Whether the driver's stderr, where it draws the workers' progress bar, is a terminal (the worker's
+        own stderr is a log file)."""
+
+    def setup_device(self, use_gpu: bool) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+    def progress_style(self, setting: str) -> str | None:
+        return progress_style(setting, terminal=self.driver_tty, via_ray_driver=True)
+
+    def report(self, metrics: dict) -> None:
+        import ray.train
+
+        ray.train.report(metrics)
+
+
+class TorchrunLauncher(Launcher):
+    """A torchrun process: the process group is created here, from torchrun's environment; rank 0 draws its own
+    progress bar; there is no one to report to."""
+
+    def setup_device(self, use_gpu: bool) -> torch.device:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_gpu else "gloo")
+        return device
+
+    def progress_style(self, setting: str) -> str | None:
+        return progress_style(setting, terminal=sys.stderr.isatty(), via_ray_driver=False)
+
+
 def ray_loop_config(loop_config: dict) -> dict:
-    """The workers' `loop_config` under Ray, with whether the driver's stderr is a terminal: the workers' is
-    not, and the driver draws their progress bar (metrics.progress_style)."""
-    return {**loop_config, "launcher": "ray", "driver_tty": sys.stderr.isatty()}
+    """Ray Train's `train_loop_config` (a plain dict, made in the driver): the workers' `loop_config`, with
+    whether the driver's stderr is a terminal (`RayLauncher.driver_tty`). `ray_train_loop` reads it back."""
+    return {**loop_config, "driver_tty": sys.stderr.isatty()}
+
+
+def ray_worker_args(train_loop_config: dict) -> tuple[dict, RayLauncher]:
+    """In a Ray worker, `train_loop`'s arguments from `ray_loop_config`'s dict."""
+    loop_config = dict(train_loop_config)
+    return loop_config, RayLauncher(driver_tty=loop_config.pop("driver_tty"))
+
+
+def ray_train_loop(train_loop_config: dict) -> None:
+    """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`."""
+    train_loop(*ray_worker_args(train_loop_config))
 
 
 def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
@@ -217,7 +289,7 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     connect_ray(cfg)
     storage_path, name = loop_config["run_dir"].rsplit("/", 1)
     trainer = trainer_class(TorchTrainer)(
-        train_loop,
+        ray_train_loop,
         train_loop_config=ray_loop_config(loop_config),
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers,
@@ -299,10 +371,8 @@ def resume_hint(run_dir: str) -> str:
 
 
 def run_with_torchrun(loop_config: dict) -> None:
-    import torch.distributed as dist
-
     try:
-        train_loop({**loop_config, "launcher": "torchrun"})
+        train_loop(loop_config, TorchrunLauncher())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

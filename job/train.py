@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,14 +32,18 @@ from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, for
 from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
                     weights_fingerprint)
 
+if TYPE_CHECKING:
+    from .launch import Launcher
+
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
 # the transport NCCL chose is in its log, and gathers each worker's environment for the run record.
 RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmup=1)
 
 
-def train_loop(loop_config: dict) -> None:
-    """Entry point of every worker. `loop_config` holds the resolved config dict, the launcher name, the run
-    directory, the driver's start time and, when the driver trained one, the tokenizer's JSON.
+def train_loop(loop_config: dict, launcher: Launcher) -> None:
+    """Entry point of every worker. `loop_config` holds the resolved config dict, the run directory, the driver's
+    start time and, when the driver trained one, the tokenizer's JSON; `launcher` (`launch.Launcher`) is what
+    this loop asks of the launcher that runs it.
 
     Around the training itself (`fit`), rank 0 keeps the run record `run.json`: opened after the preflight,
     closed with the results, or with the error when anything fails.
@@ -48,7 +52,9 @@ def train_loop(loop_config: dict) -> None:
     run_dir = loop_config["run_dir"]
     nccl_log_dir = os.path.join(tempfile.gettempdir(), "job-nccl", cfg.name)
     nccl.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
-    device = _setup_distributed(loop_config["launcher"], cfg.scaling.use_gpu)
+    device = launcher.setup_device(cfg.scaling.use_gpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     rank = dist.get_rank()
     timeline = Timeline(loop_config.get("started_at", time.time()), device)
 
@@ -73,14 +79,14 @@ def train_loop(loop_config: dict) -> None:
         return
 
     try:
-        results = fit(cfg, loop_config, device, record, timeline)
+        results = fit(cfg, loop_config, launcher, device, record, timeline)
     except BaseException as exc:
         if record:
             evidence.finish_record(run_dir, record, status="failed", error=exc, time=timeline.summary())
         raise
     if record:
         evidence.finish_record(run_dir, record, **results)
-    _report({"step": cfg.train.max_steps}, loop_config["launcher"])
+    launcher.report({"step": cfg.train.max_steps})
 
 
 @dataclass
@@ -119,10 +125,10 @@ class Run:
             self.logger.log(record)
 
 
-def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None,
+def fit(cfg: config_lib.RunConfig, loop_config: dict, launcher: Launcher, device: torch.device, record: dict | None,
         timeline: Timeline) -> dict:
     """Builds, trains and finishes the run; returns results for the run record (rank 0's are used)."""
-    run, weights = build(cfg, loop_config, device, record, timeline)
+    run, weights = build(cfg, loop_config, launcher, device, record, timeline)
     try:
         train(run)
         return finish(run, weights)
@@ -130,8 +136,8 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
         run.checkpointer.close()
 
 
-def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None,
-          timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
+def build(cfg: config_lib.RunConfig, loop_config: dict, launcher: Launcher, device: torch.device,
+          record: dict | None, timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
     """Tokenizer and data, model (FSDP2-sharded), optimizer, and the resume point. Returns the run and a function
     that returns the weights fingerprint (hashed in a background thread on rank 0: gigabytes take seconds)."""
     run_dir = loop_config["run_dir"]
@@ -183,8 +189,8 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
         batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_micro)
 
     flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
-    logger = (MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar, keep_until_step=start_step,
-                            loop_config=loop_config) if rank == 0 else None)
+    logger = (MetricsLogger(run_dir, cfg.train.max_steps, launcher.progress_style(cfg.logging.progress_bar),
+                            keep_until_step=start_step) if rank == 0 else None)
     run = Run(cfg, run_dir, device, rank, world, bf16, tokenizer, dataset, model, optimizer, schedule, batches,
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
@@ -484,26 +490,3 @@ def to_device(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor
     if device.type == "cuda":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
-
-
-def _setup_distributed(launcher: str, use_gpu: bool) -> torch.device:
-    """The worker's device. Ray Train has already created the process group; torchrun leaves it to us."""
-    if launcher == "ray":
-        import ray.train.torch
-
-        device = ray.train.torch.get_device()
-    else:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_gpu else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
-
-
-def _report(metrics: dict, launcher: str) -> None:
-    if launcher == "ray":
-        import ray.train
-
-        ray.train.report(metrics)
