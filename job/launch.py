@@ -12,6 +12,7 @@ final report).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ from . import data as data_lib
 from . import export as export_lib
 from . import storage
 from .metrics import progress_style
-from .train import train_loop
+from .train import LoopConfig, train_loop
 
 
 def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
@@ -124,10 +125,10 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
             "run name or delete the run directory.")
 
 
-def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
+def prepare(cfg: config_lib.RunConfig, run_dir: str) -> LoopConfig:
     """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
 
-    Returns the workers' `loop_config`. Raises `CheckpointError` first when `checkpoint.resume` forbids starting
+    Returns what every worker's loop gets. Raises `CheckpointError` first when `checkpoint.resume` forbids starting
     (`never` on a run name that has checkpoints, a missing start point).
     """
     started_at = time.time()  # the run's time accounting starts here (metrics.Timeline)
@@ -141,13 +142,13 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     fs, path = storage.filesystem(run_dir)
     fs.makedirs(path, exist_ok=True)
     storage.write_atomic(storage.join(run_dir, "config.yaml"), config_lib.to_yaml(cfg))
-    loop_config = {"config": config_lib.to_dict(cfg), "run_dir": run_dir, "started_at": started_at}
+    loop_config = LoopConfig(cfg, run_dir, started_at)
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
         if not storage.is_remote(run_dir):
             tokenizer.save_pretrained(os.path.join(storage.local_path(run_dir), "tokenizer"))
-        loop_config["tokenizer_json"] = tokenizer.backend_tokenizer.to_str()
+        loop_config.tokenizer_json = tokenizer.backend_tokenizer.to_str()
     return loop_config
 
 
@@ -264,16 +265,19 @@ class TorchrunLauncher(Launcher):
         return progress_style(setting, terminal=sys.stderr.isatty(), via_ray_driver=False)
 
 
-def ray_loop_config(loop_config: dict) -> dict:
-    """Ray Train's `train_loop_config` (a plain dict, made in the driver): the workers' `loop_config`, with
-    whether the driver's stderr is a terminal (`RayLauncher.driver_tty`). `ray_train_loop` reads it back."""
-    return {**loop_config, "driver_tty": sys.stderr.isatty()}
+def ray_loop_config(loop_config: LoopConfig) -> dict:
+    """Ray Train's `train_loop_config`, made in the driver: a plain dict of `loop_config`'s fields (the run config
+    as its dict), with whether the driver's stderr is a terminal (`RayLauncher.driver_tty`). The one conversion,
+    with `ray_worker_args`, which reads it back in each worker."""
+    fields = {f.name: getattr(loop_config, f.name) for f in dataclasses.fields(loop_config)}
+    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": sys.stderr.isatty()}
 
 
-def ray_worker_args(train_loop_config: dict) -> tuple[dict, RayLauncher]:
+def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:
     """In a Ray worker, `train_loop`'s arguments from `ray_loop_config`'s dict."""
-    loop_config = dict(train_loop_config)
-    return loop_config, RayLauncher(driver_tty=loop_config.pop("driver_tty"))
+    fields = dict(train_loop_config)
+    launcher = RayLauncher(driver_tty=fields.pop("driver_tty"))
+    return LoopConfig(**{**fields, "cfg": config_lib.load_dict(fields["cfg"])}), launcher
 
 
 def ray_train_loop(train_loop_config: dict) -> None:
@@ -281,13 +285,13 @@ def ray_train_loop(train_loop_config: dict) -> None:
     train_loop(*ray_worker_args(train_loop_config))
 
 
-def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
+def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | None:
     """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
     from ray.train.torch import TorchTrainer
 
     connect_ray(cfg)
-    storage_path, name = loop_config["run_dir"].rsplit("/", 1)
+    storage_path, name = loop_config.run_dir.rsplit("/", 1)
     trainer = trainer_class(TorchTrainer)(
         ray_train_loop,
         train_loop_config=ray_loop_config(loop_config),
@@ -310,9 +314,9 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     except WorkerGroupError as e:
         failures = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
         lost = any(isinstance(exc, RayActorError) for exc in e.worker_failures.values())
-        return _by_message(failures) + (f"\n{resume_hint(loop_config['run_dir'])}" if lost else "")
+        return _by_message(failures) + (f"\n{resume_hint(loop_config.run_dir)}" if lost else "")
     except TrainingFailedError as e:
-        return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config['run_dir'])}"
+        return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config.run_dir)}"
     return None
 
 
@@ -370,7 +374,7 @@ def resume_hint(run_dir: str) -> str:
     return f"re-running the same command resumes the run from its newest usable checkpoint ({latest} or older)"
 
 
-def run_with_torchrun(loop_config: dict) -> None:
+def run_with_torchrun(loop_config: LoopConfig) -> None:
     try:
         train_loop(loop_config, TorchrunLauncher())
     finally:

@@ -40,23 +40,38 @@ if TYPE_CHECKING:
 RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmup=1)
 
 
-def train_loop(loop_config: dict, launcher: Launcher) -> None:
-    """Entry point of every worker. `loop_config` holds the resolved config dict, the run directory, the driver's
-    start time and, when the driver trained one, the tokenizer's JSON; `launcher` (`launch.Launcher`) is what
-    this loop asks of the launcher that runs it.
+@dataclass
+class LoopConfig:
+    """What the driver (`launch.prepare`) hands every worker's `train_loop`. (Ray Train carries it as a plain
+    dict: `launch.ray_loop_config` and `launch.ray_worker_args` convert it, both ways.)"""
+
+    cfg: config_lib.RunConfig
+    """The resolved run config (local paths made absolute: `launch.resolve_paths`)."""
+    run_dir: str
+    """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
+    started_at: float
+    """When the driver started preparing the run (epoch seconds): the start of the run's time accounting, so the
+    `startup` phase includes Ray's scheduling and the workers' imports (`metrics.Timeline`)."""
+    tokenizer_json: str | None = None
+    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
+    a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
+
+
+def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
+    """Entry point of every worker: `loop_config` is what the driver prepared; `launcher` (`launch.Launcher`) is
+    what this loop asks of the launcher that runs it.
 
     Around the training itself (`fit`), rank 0 keeps the run record `run.json`: opened after the preflight,
     closed with the results, or with the error when anything fails.
     """
-    cfg = config_lib.load_dict(loop_config["config"])
-    run_dir = loop_config["run_dir"]
+    cfg, run_dir = loop_config.cfg, loop_config.run_dir
     nccl_log_dir = os.path.join(tempfile.gettempdir(), "job-nccl", cfg.name)
     nccl.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
     device = launcher.setup_device(cfg.scaling.use_gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank = dist.get_rank()
-    timeline = Timeline(loop_config.get("started_at", time.time()), device)
+    timeline = Timeline(loop_config.started_at, device)
 
     full_preflight = cfg.preflight.enabled or cfg.mode == "preflight"
     record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
@@ -79,7 +94,7 @@ def train_loop(loop_config: dict, launcher: Launcher) -> None:
         return
 
     try:
-        results = fit(cfg, loop_config, launcher, device, record, timeline)
+        results = fit(loop_config, launcher, device, record, timeline)
     except BaseException as exc:
         if record:
             evidence.finish_record(run_dir, record, status="failed", error=exc, time=timeline.summary())
@@ -125,10 +140,10 @@ class Run:
             self.logger.log(record)
 
 
-def fit(cfg: config_lib.RunConfig, loop_config: dict, launcher: Launcher, device: torch.device, record: dict | None,
+def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
         timeline: Timeline) -> dict:
     """Builds, trains and finishes the run; returns results for the run record (rank 0's are used)."""
-    run, weights = build(cfg, loop_config, launcher, device, record, timeline)
+    run, weights = build(loop_config, launcher, device, record, timeline)
     try:
         train(run)
         return finish(run, weights)
@@ -136,18 +151,18 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, launcher: Launcher, device
         run.checkpointer.close()
 
 
-def build(cfg: config_lib.RunConfig, loop_config: dict, launcher: Launcher, device: torch.device,
-          record: dict | None, timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
+def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
+          timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
     """Tokenizer and data, model (FSDP2-sharded), optimizer, and the resume point. Returns the run and a function
     that returns the weights fingerprint (hashed in a background thread on rank 0: gigabytes take seconds)."""
-    run_dir = loop_config["run_dir"]
+    cfg, run_dir = loop_config.cfg, loop_config.run_dir
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoint_lib.write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
     # ---- Tokenizer and data: every rank builds the same packed blocks, then reads only its shard of them.
     with timeline.phase("data"):
-        tokenizer_json = loop_config.get("tokenizer_json")
+        tokenizer_json = loop_config.tokenizer_json
         tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
         dataset, data_cache = data_lib.build_once(cfg.data, cfg.train, tokenizer, run_dir)
     weights = in_background(weights_fingerprint, cfg.model) if record else dict

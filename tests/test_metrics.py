@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+from job import config as config_lib
 from job import launch
 from job.metrics import MetricsLogger, device_timeline, idle_gap_lines
+from job.train import LoopConfig
 
 
 def test_device_timeline_counts_overlap_once_and_finds_gaps():
@@ -54,10 +56,14 @@ class Stream(io.StringIO):
 ])
 def test_progress_bar_under_ray_follows_the_drivers_terminal(monkeypatch, setting, driver_tty, shown):
     monkeypatch.setattr(sys, "stderr", Stream(driver_tty))
-    train_loop_config = launch.ray_loop_config({"run_dir": "/runs/a"})  # in the driver
+    cfg = config_lib.load_dict({"name": "a", "model": {"init": "random", "preset": "qwen2-tiny"},
+                                "data": {"format": "synthetic"}})
+    loop_config = LoopConfig(cfg, "/runs/a", 1.5, tokenizer_json="{}")
+    train_loop_config = launch.ray_loop_config(loop_config)  # in the driver
     monkeypatch.setattr(sys, "stderr", Stream(False))  # in a Ray worker: its stderr is a log file
-    _, launcher = launch.ray_worker_args(train_loop_config)
+    received, launcher = launch.ray_worker_args(train_loop_config)
     assert launcher.progress_style(setting) == shown
+    assert received == loop_config  # and the loop gets what the driver prepared
 
 
 @pytest.mark.parametrize("tty, shown", [(True, "tqdm"), (False, None)])
