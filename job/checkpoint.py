@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -461,7 +462,13 @@ class HostStager:
     def allocate_in_background(self, state_dict: dict) -> None:
         import threading
 
-        shapes = {path: (t.shape, t.dtype) for path, t in _tensors(state_dict)}
+        shapes = {}
+
+        def note(path: tuple, tensor: torch.Tensor) -> torch.Tensor:  # the buffers `stage` will copy into
+            shapes[path] = (tensor.shape, tensor.dtype)
+            return tensor
+
+        _map_tensors(state_dict, note)
         self._allocating = threading.Thread(target=lambda: self.buffers.update(
             {path: torch.empty(shape, dtype=dtype, pin_memory=self.pin) for path, (shape, dtype) in shapes.items()}),
             daemon=True)
@@ -471,49 +478,37 @@ class HostStager:
         if self._allocating is not None:
             self._allocating.join()
             self._allocating = None
-        staged = self._copy(state_dict, ())
+        staged = _map_tensors(state_dict, self._buffer)
         if self.pin:
             torch.cuda.synchronize()
         return staged
 
-    def _copy(self, obj, path: tuple):
-        import copy
-
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(obj, DTensor):
-            local = self._buffer(obj.to_local(), path)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
-        if isinstance(obj, torch.Tensor):
-            return self._buffer(obj, path)
-        if isinstance(obj, dict):
-            return {k: self._copy(v, (*path, k)) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, (*path, i)) for i, v in enumerate(obj))
-        return copy.deepcopy(obj)
-
-    def _buffer(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+    def _buffer(self, path: tuple, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = self.buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
         return buffer.copy_(tensor.detach(), non_blocking=self.pin)
 
 
-def _tensors(obj, path: tuple = ()):
-    """(path, tensor) of every tensor in a nested state dict; a DTensor's local shard stands for it."""
+def _map_tensors(obj, fn: Callable[[tuple, torch.Tensor], torch.Tensor], path: tuple = ()):
+    """A nested state dict (dicts, lists, tuples) rebuilt with `fn(path, tensor)` in place of each tensor, `path`
+    being the tensor's place in it. A DTensor's local shard goes to `fn`, and the result becomes the shard of a
+    DTensor like it. Everything else is deep-copied."""
+    import copy
+
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        yield path, obj.to_local()
-    elif isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, (*path, k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, (*path, i))
+        local = fn(path, obj.to_local())
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        return fn(path, obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn, (*path, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn, (*path, i)) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
 
 
 def _failed_save(uri: str, error: BaseException) -> CheckpointError:
