@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -49,6 +49,11 @@ import torch.distributed as dist
 from . import config as config_lib
 from . import data as data_lib
 from . import storage
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from .model import CausalLMWithLoss
 
 COMPLETE = "_COMPLETE"
 """Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
@@ -331,7 +336,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _arch(lm_config) -> dict:
+def _arch(lm_config: PretrainedConfig) -> dict:
     return {k: getattr(lm_config, k, None) for k in ARCH_KEYS}
 
 
@@ -368,7 +373,7 @@ class Checkpointer:
         self.pending = None  # (step, uri, future of the write, returning its seconds)
         self.arch: dict = {}
 
-    def prepare(self, model, optimizer) -> None:
+    def prepare(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Allocates the host buffers of the first save in the background (pinning gigabytes of host memory
         takes seconds); call once the optimizer has its state, i.e. after the first step."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -376,7 +381,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self.stager.allocate_in_background({"model": model_sd, "optim": optim_sd})
 
-    def save(self, step: int, model, optimizer) -> None:
+    def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Starts saving `step`; returns once the state is staged in host memory."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -543,7 +548,8 @@ def _prune(run_dir: str, keep_last: int, keep_before: int) -> None:
         storage.remove(uri)
 
 
-def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig, identity: dict) -> dict:
+def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer, cfg: config_lib.RunConfig,
+            identity: dict) -> dict:
     """Loads a checkpoint (verified by `find_resume_point`) into the sharded model and optimizer (any world
     size: DCP reshards) and this rank's RNG states; returns its train state. Refuses a checkpoint of another
     architecture or, per `check_identity`, of another run. Any problem raises `CheckpointError` naming the

@@ -33,6 +33,8 @@ from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_cop
                     weights_fingerprint)
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from .launch import Launcher
 
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
@@ -114,7 +116,7 @@ class Run:
     rank: int
     world: int
     bf16: bool
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase | None
     dataset: data_lib.Dataset
     model: CausalLMWithLoss
     optimizer: torch.optim.Optimizer
@@ -355,7 +357,7 @@ def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def unsharded_copy(run: Run):
+def unsharded_copy(run: Run) -> PreTrainedModel:
     """The model gathered into a plain copy on this rank, in the dtype training computes in (collective)."""
     return gathered_copy(run.model, torch.bfloat16 if run.bf16 else torch.float32, run.device)
 
@@ -370,7 +372,7 @@ def log_eval(run: Run, step: int) -> float | None:
     return eval_loss
 
 
-def run_task_eval(run: Run, step: int, lm=None) -> None:
+def run_task_eval(run: Run, step: int, lm: PreTrainedModel | None = None) -> None:
     """Task evaluation at `step` on an unsharded copy of the model (`lm`, or gathered here)."""
     with run.timeline.phase("task_eval"):
         start = time.perf_counter()
@@ -433,7 +435,7 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
     return results
 
 
-def export(run: Run, lm, acceptance: export_lib.AcceptanceProcess | None) -> dict:
+def export(run: Run, lm: PreTrainedModel, acceptance: export_lib.AcceptanceProcess | None) -> dict:
     """The checked export of the final model, against the final held-out loss (measured here when the loop did
     not, e.g. a finished run re-run, or on seeded random blocks for runs without a held-out split)."""
     cfg = run.cfg
@@ -475,7 +477,8 @@ def in_background(fn: Callable, *args) -> Callable[[], object]:
     return wait
 
 
-def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device: torch.device):
+def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig,
+                    device: torch.device) -> tuple[torch.optim.Optimizer, Callable[[int], float]]:
     """AdamW (fused kernels on GPU) with weight decay on matrices only, and the warmup + cosine schedule."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
