@@ -1,6 +1,7 @@
 """The training loop, run once per worker: the same function under Ray Train and under torchrun.
 
-`train_loop` sets up the process group and the run record, then `fit` reads as three steps:
+`train_loop` (given the driver's `LoopConfig` and the `launch.Launcher` that runs it) sets up the device, the
+process group and the run record, then `fit` reads as three steps:
 `build` (tokenizer, data, model, FSDP2, optimizer, resume) → `train` (the loop: step, log, evaluate, checkpoint)
 → `finish` (last checkpoint, final task evaluation and sample, export). Every phase is timed (`metrics.Timeline`),
 so each run records where its wall time went and its goodput.
