@@ -7,7 +7,7 @@ generation, task evaluation), `checkpoint` (asynchronous save, resume), `export`
 `metrics` (MFU, metric log, time accounting and goodput, one-step profiler), `nccl` (transport from NCCL's log),
 `environment` (worker inventory, image digest), `preflight` (bandwidth and transport checks),
 `packages` (optional packages: s3fs, datasets), `evidence` (run record, compare), `report` (markdown and
-plots), `launch` (driver: Ray Train or torchrun), `__main__` (CLI).
+plots), `launch` (driver: Ray Train or torchrun, and the `Launcher` the loop calls), `__main__` (CLI).
 """
 
 __version__ = "0.2.0"

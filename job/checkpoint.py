@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -48,6 +49,11 @@ import torch.distributed as dist
 from . import config as config_lib
 from . import data as data_lib
 from . import storage
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from .model import CausalLMWithLoss
 
 COMPLETE = "_COMPLETE"
 """Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
@@ -330,7 +336,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _arch(lm_config) -> dict:
+def _arch(lm_config: PretrainedConfig) -> dict:
     return {k: getattr(lm_config, k, None) for k in ARCH_KEYS}
 
 
@@ -367,7 +373,7 @@ class Checkpointer:
         self.pending = None  # (step, uri, future of the write, returning its seconds)
         self.arch: dict = {}
 
-    def prepare(self, model, optimizer) -> None:
+    def prepare(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Allocates the host buffers of the first save in the background (pinning gigabytes of host memory
         takes seconds); call once the optimizer has its state, i.e. after the first step."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -375,7 +381,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         self.stager.allocate_in_background({"model": model_sd, "optim": optim_sd})
 
-    def save(self, step: int, model, optimizer) -> None:
+    def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Starts saving `step`; returns once the state is staged in host memory."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -461,7 +467,13 @@ class HostStager:
     def allocate_in_background(self, state_dict: dict) -> None:
         import threading
 
-        shapes = {path: (t.shape, t.dtype) for path, t in _tensors(state_dict)}
+        shapes = {}
+
+        def note(path: tuple, tensor: torch.Tensor) -> torch.Tensor:  # the buffers `stage` will copy into
+            shapes[path] = (tensor.shape, tensor.dtype)
+            return tensor
+
+        _map_tensors(state_dict, note)
         self._allocating = threading.Thread(target=lambda: self.buffers.update(
             {path: torch.empty(shape, dtype=dtype, pin_memory=self.pin) for path, (shape, dtype) in shapes.items()}),
             daemon=True)
@@ -471,49 +483,37 @@ class HostStager:
         if self._allocating is not None:
             self._allocating.join()
             self._allocating = None
-        staged = self._copy(state_dict, ())
+        staged = _map_tensors(state_dict, self._buffer)
         if self.pin:
             torch.cuda.synchronize()
         return staged
 
-    def _copy(self, obj, path: tuple):
-        import copy
-
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(obj, DTensor):
-            local = self._buffer(obj.to_local(), path)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
-        if isinstance(obj, torch.Tensor):
-            return self._buffer(obj, path)
-        if isinstance(obj, dict):
-            return {k: self._copy(v, (*path, k)) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, (*path, i)) for i, v in enumerate(obj))
-        return copy.deepcopy(obj)
-
-    def _buffer(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+    def _buffer(self, path: tuple, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = self.buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
         return buffer.copy_(tensor.detach(), non_blocking=self.pin)
 
 
-def _tensors(obj, path: tuple = ()):
-    """(path, tensor) of every tensor in a nested state dict; a DTensor's local shard stands for it."""
+def _map_tensors(obj, fn: Callable[[tuple, torch.Tensor], torch.Tensor], path: tuple = ()):
+    """A nested state dict (dicts, lists, tuples) rebuilt with `fn(path, tensor)` in place of each tensor, `path`
+    being the tensor's place in it. A DTensor's local shard goes to `fn`, and the result becomes the shard of a
+    DTensor like it. Everything else is deep-copied."""
+    import copy
+
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        yield path, obj.to_local()
-    elif isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, (*path, k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, (*path, i))
+        local = fn(path, obj.to_local())
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        return fn(path, obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn, (*path, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn, (*path, i)) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
 
 
 def _failed_save(uri: str, error: BaseException) -> CheckpointError:
@@ -548,7 +548,8 @@ def _prune(run_dir: str, keep_last: int, keep_before: int) -> None:
         storage.remove(uri)
 
 
-def restore(uri: str, model, optimizer, cfg: config_lib.RunConfig, identity: dict) -> dict:
+def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer, cfg: config_lib.RunConfig,
+            identity: dict) -> dict:
     """Loads a checkpoint (verified by `find_resume_point`) into the sharded model and optimizer (any world
     size: DCP reshards) and this rank's RNG states; returns its train state. Refuses a checkpoint of another
     architecture or, per `check_identity`, of another run. Any problem raises `CheckpointError` naming the

@@ -14,12 +14,19 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import data as data_lib
 from .data import pad_id
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .config import DataConfig, EvalConfig, RunConfig
+    from .model import CausalLMWithLoss
 
 # --------------------------------------------------------------------------------------------------------------------
 # Held-out loss
@@ -65,7 +72,8 @@ def synthetic_heldout(vocab: int, n: int, seq_len: int, seed: int) -> data_lib.B
 
 
 @torch.no_grad()
-def evaluate(model, blocks: data_lib.Blocks, cfg, rank: int, world: int, device) -> float:
+def evaluate(model: CausalLMWithLoss, blocks: data_lib.Blocks, cfg: RunConfig, rank: int, world: int,
+             device: torch.device) -> float:
     """Mean held-out loss per target token over all ranks (`cfg` is the RunConfig).
 
     Each rank runs the same number of micro-batches: ceil(blocks / world) blocks each, the ranks that run out
@@ -136,7 +144,7 @@ def score(task: str, generated: str, reference: str) -> tuple[str | None, bool]:
     return expected, expected is not None and prediction_of(generated) == expected
 
 
-def decode_continuation(tokenizer, output_row: torch.Tensor, prompt_len: int) -> str:
+def decode_continuation(tokenizer: PreTrainedTokenizerBase, output_row: torch.Tensor, prompt_len: int) -> str:
     """The generated text after the prompt, cut at the first EOS."""
     new = output_row[prompt_len:].tolist()
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new:
@@ -169,7 +177,7 @@ def sdpa_grouped_decode(module, query, key, value, attention_mask, scaling=None,
     return out.reshape(batch, 1, heads, dim), None
 
 
-def use_grouped_decode(lm) -> None:
+def use_grouped_decode(lm: PreTrainedModel) -> None:
     """Switches the plain `lm` from SDPA to `sdpa_grouped_decode` (registered with Transformers on first use)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -182,7 +190,7 @@ def use_grouped_decode(lm) -> None:
 
 
 @torch.no_grad()
-def greedy_generate(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                     eos_token_id: int | None, pad_token_id: int, cache: str = "static") -> torch.Tensor:
     """Greedy decoding with a KV cache on a plain (unsharded) causal LM: prompt and continuation ids.
 
@@ -198,7 +206,8 @@ def greedy_generate(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, m
                        disable_compile=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
-def generate_sample(lm, tokenizer, prompt: str, n_tokens: int, device) -> str:
+def generate_sample(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, n_tokens: int,
+                    device: torch.device) -> str:
     """Greedy continuation of `prompt` by the unsharded `lm`."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     out = greedy_generate(lm, ids, torch.ones_like(ids), n_tokens, tokenizer.eos_token_id, pad_id(tokenizer))
@@ -210,7 +219,7 @@ def generate_sample(lm, tokenizer, prompt: str, n_tokens: int, device) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def task_items(examples: list[dict], data_cfg, tokenizer) -> list[dict]:
+def task_items(examples: list[dict], data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[dict]:
     """`{question, prompt, reference}` for held-out examples: the prompt exactly as training renders it (the
     completion's prompt, or the conversation up to the last assistant turn with the generation prompt)."""
     items = []
@@ -238,7 +247,8 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 @torch.no_grad()
-def task_evaluate(lm, tokenizer, items: list[dict], eval_cfg, rank: int, world: int, device, step: int) -> dict:
+def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
+                  rank: int, world: int, device: torch.device, step: int) -> dict:
     """Greedy generation on held-out items by the unsharded `lm`, scored by exact match of the task's final
     answer. Returns the `task_eval` metrics record (the same on every rank; examples from rank 0's share).
 

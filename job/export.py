@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from . import config as config_lib
 from . import data as data_lib
 from . import storage
 from .data import vocabulary_sha256
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EXPORT_DIR = "export"
 VALID = "_VALID"
@@ -80,8 +84,9 @@ def start_acceptance() -> AcceptanceProcess | None:
     return AcceptanceProcess() if dist.get_rank() == 0 else None
 
 
-def export(lm, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference: dict, heldout: data_lib.Blocks,
-           batches: list[list[int]], acceptance: AcceptanceProcess | None) -> dict:
+def export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig, run_dir: str,
+           reference: dict, heldout: data_lib.Blocks, batches: list[list[int]],
+           acceptance: AcceptanceProcess | None) -> dict:
     """Rank 0 writes `<run>/export/` from the unsharded `lm` and has `acceptance` (its `start_acceptance()`)
     check it (collective: the result reaches every rank). `reference` holds the final in-training held-out loss
     and how it was measured; `batches` are the micro-batches of `heldout` it was measured on. Raises
@@ -105,8 +110,9 @@ def export(lm, tokenizer, cfg: config_lib.RunConfig, run_dir: str, reference: di
     return result
 
 
-def _write_and_accept(lm, tokenizer, cfg, run_dir: str, reference: dict, heldout: data_lib.Blocks,
-                      batches: list[list[int]], acceptance: AcceptanceProcess) -> dict:
+def _write_and_accept(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig,
+                      run_dir: str, reference: dict, heldout: data_lib.Blocks, batches: list[list[int]],
+                      acceptance: AcceptanceProcess) -> dict:
     from safetensors.torch import save_file
 
     start = time.perf_counter()

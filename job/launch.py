@@ -5,21 +5,28 @@ Two launchers run the same `train.train_loop`:
   embedded single-node Ray started here when `RAY_ADDRESS` is unset (laptops, CI).
 * torchrun: `torchrun --nproc-per-node N -m job --config run.yaml` runs the loop in each torchrun process,
   for benchmarks and debugging without Ray.
+The loop never asks which one runs it: it calls the `Launcher` built here (device and process group, progress bar,
+final report).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 import time
+
+import torch
+import torch.distributed as dist
 
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
 from . import export as export_lib
 from . import storage
-from .train import train_loop
+from .metrics import progress_style
+from .train import LoopConfig, train_loop
 
 
 def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
@@ -118,11 +125,11 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
             "run name or delete the run directory.")
 
 
-def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
+def prepare(cfg: config_lib.RunConfig, run_dir: str) -> LoopConfig:
     """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
 
-    Returns the workers' `loop_config`, without the launcher name. Raises `CheckpointError` first when
-    `checkpoint.resume` forbids starting (`never` on a run name that has checkpoints, a missing start point).
+    Returns what every worker's loop gets. Raises `CheckpointError` first when `checkpoint.resume` forbids starting
+    (`never` on a run name that has checkpoints, a missing start point).
     """
     started_at = time.time()  # the run's time accounting starts here (metrics.Timeline)
     checkpoint_lib.check_before_start(cfg, run_dir)
@@ -135,13 +142,13 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> dict:
     fs, path = storage.filesystem(run_dir)
     fs.makedirs(path, exist_ok=True)
     storage.write_atomic(storage.join(run_dir, "config.yaml"), config_lib.to_yaml(cfg))
-    loop_config = {"config": config_lib.to_dict(cfg), "run_dir": run_dir, "started_at": started_at}
+    loop_config = LoopConfig(cfg, run_dir, started_at)
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
         if not storage.is_remote(run_dir):
             tokenizer.save_pretrained(os.path.join(storage.local_path(run_dir), "tokenizer"))
-        loop_config["tokenizer_json"] = tokenizer.backend_tokenizer.to_str()
+        loop_config.tokenizer_json = tokenizer.backend_tokenizer.to_str()
     return loop_config
 
 
@@ -203,21 +210,90 @@ def _autoscaler_groups() -> list[tuple[dict, int]] | None:
     return [(dict(g.resources), g.max_count) for g in config.node_group_configs]
 
 
-def ray_loop_config(loop_config: dict) -> dict:
-    """The workers' `loop_config` under Ray, with whether the driver's stderr is a terminal: the workers' is
-    not, and the driver draws their progress bar (metrics.progress_style)."""
-    return {**loop_config, "launcher": "ray", "driver_tty": sys.stderr.isatty()}
+class Launcher:
+    """What the training loop (`train.train_loop`) asks of the launcher that started its process, so that it never
+    asks which launcher that is: the device and process group, how rank 0 shows its progress bar, and the final
+    report. One per worker process, built here (`RayLauncher`, `TorchrunLauncher`)."""
+
+    def setup_device(self, use_gpu: bool) -> torch.device:
+        """This worker's device, with the process group created (before the first collective)."""
+        raise NotImplementedError
+
+    def progress_style(self, setting: str) -> str | None:
+        """`metrics.progress_style` for `logging.progress_bar` `setting`, on the stream the bar is drawn on."""
+        raise NotImplementedError
+
+    def report(self, metrics: dict) -> None:
+        """Tells the launcher the worker's last metrics, once the run is complete."""
 
 
-def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
+class RayLauncher(Launcher):
+    """A Ray Train worker: Ray Train has created the process group and chosen the device; the driver draws the
+    progress bar that rank 0 reports."""
+
+    def __init__(self, driver_tty: bool):
+        self.driver_tty = driver_tty
+        """Whether the driver's stderr, where it draws the workers' progress bar, is a terminal (the worker's
+        own stderr is a log file)."""
+
+    def setup_device(self, use_gpu: bool) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+    def progress_style(self, setting: str) -> str | None:
+        return progress_style(setting, terminal=self.driver_tty, via_ray_driver=True)
+
+    def report(self, metrics: dict) -> None:
+        import ray.train
+
+        ray.train.report(metrics)
+
+
+class TorchrunLauncher(Launcher):
+    """A torchrun process: the process group is created here, from torchrun's environment; rank 0 draws its own
+    progress bar; there is no one to report to."""
+
+    def setup_device(self, use_gpu: bool) -> torch.device:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_gpu else "gloo")
+        return device
+
+    def progress_style(self, setting: str) -> str | None:
+        return progress_style(setting, terminal=sys.stderr.isatty(), via_ray_driver=False)
+
+
+def ray_loop_config(loop_config: LoopConfig) -> dict:
+    """Ray Train's `train_loop_config`, made in the driver: a plain dict of `loop_config`'s fields (the run config
+    as its dict), with whether the driver's stderr is a terminal (`RayLauncher.driver_tty`). The one conversion,
+    with `ray_worker_args`, which reads it back in each worker."""
+    fields = {f.name: getattr(loop_config, f.name) for f in dataclasses.fields(loop_config)}
+    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": sys.stderr.isatty()}
+
+
+def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:
+    """In a Ray worker, `train_loop`'s arguments from `ray_loop_config`'s dict."""
+    fields = dict(train_loop_config)
+    launcher = RayLauncher(driver_tty=fields.pop("driver_tty"))
+    return LoopConfig(**{**fields, "cfg": config_lib.load_dict(fields["cfg"])}), launcher
+
+
+def ray_train_loop(train_loop_config: dict) -> None:
+    """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`."""
+    train_loop(*ray_worker_args(train_loop_config))
+
+
+def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | None:
     """Runs the workers under Ray Train; returns None on success, else the workers' error in one line each."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
     from ray.train.torch import TorchTrainer
 
     connect_ray(cfg)
-    storage_path, name = loop_config["run_dir"].rsplit("/", 1)
+    storage_path, name = loop_config.run_dir.rsplit("/", 1)
     trainer = trainer_class(TorchTrainer)(
-        train_loop,
+        ray_train_loop,
         train_loop_config=ray_loop_config(loop_config),
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers,
@@ -238,9 +314,9 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: dict) -> str | None:
     except WorkerGroupError as e:
         failures = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
         lost = any(isinstance(exc, RayActorError) for exc in e.worker_failures.values())
-        return _by_message(failures) + (f"\n{resume_hint(loop_config['run_dir'])}" if lost else "")
+        return _by_message(failures) + (f"\n{resume_hint(loop_config.run_dir)}" if lost else "")
     except TrainingFailedError as e:
-        return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config['run_dir'])}"
+        return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config.run_dir)}"
     return None
 
 
@@ -298,11 +374,9 @@ def resume_hint(run_dir: str) -> str:
     return f"re-running the same command resumes the run from its newest usable checkpoint ({latest} or older)"
 
 
-def run_with_torchrun(loop_config: dict) -> None:
-    import torch.distributed as dist
-
+def run_with_torchrun(loop_config: LoopConfig) -> None:
     try:
-        train_loop({**loop_config, "launcher": "torchrun"})
+        train_loop(loop_config, TorchrunLauncher())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

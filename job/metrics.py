@@ -46,17 +46,15 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> 
     return 6 * n_params + 12 * n_layers * hidden * seq_len
 
 
-def progress_style(setting: str, loop_config: dict) -> str | None:
+def progress_style(setting: str, terminal: bool, via_ray_driver: bool) -> str | None:
     """How rank 0 shows its progress bar (`logging.progress_bar`): `tqdm`, drawn by this process on its stderr;
-    `ray`, `ray.experimental.tqdm_ray`, whose state the worker prints and the Ray driver draws (a Ray worker's
-    stderr is a log file, never a terminal); or None. `auto` shows it when the stream it would be drawn on is a
-    terminal: under Ray the driver's stderr (`loop_config["driver_tty"]`, set by the launcher), else this
-    process's; redirected output gets no bar redraws."""
-    ray = loop_config.get("launcher") == "ray"
-    terminal = bool(loop_config.get("driver_tty")) if ray else sys.stderr.isatty()
+    `ray` (`via_ray_driver`), `ray.experimental.tqdm_ray`, whose state the worker prints and the Ray driver draws
+    (a Ray worker's stderr is a log file, never a terminal); or None. `auto` shows it when the stream it would be
+    drawn on is a `terminal` (the launcher knows which stream that is: `launch.Launcher.progress_style`);
+    redirected output gets no bar redraws."""
     if setting == "off" or (setting == "auto" and not terminal):
         return None
-    return "ray" if ray else "tqdm"
+    return "ray" if via_ray_driver else "tqdm"
 
 
 class MetricsLogger:
@@ -68,14 +66,13 @@ class MetricsLogger:
     are dropped, so steps recomputed after a resume appear once.
     """
 
-    def __init__(self, run_dir: str, max_steps: int, progress_bar: str, keep_until_step: int | None = None,
-                 loop_config: dict | None = None):
+    def __init__(self, run_dir: str, max_steps: int, progress: str | None = None, keep_until_step: int | None = None):
+        """`progress`: the progress bar's style (`progress_style`), None for none."""
         self.path = storage.join(run_dir, "metrics.jsonl")
         self.lines = storage.read_text(self.path).splitlines() if storage.exists(self.path) else []
         if keep_until_step is not None:
             self.lines = [line for line in self.lines if json.loads(line).get("step", 0) <= keep_until_step]
         self.bar = None
-        progress = progress_style(progress_bar, loop_config or {})
         if progress == "ray":
             from ray.experimental.tqdm_ray import tqdm as ray_tqdm
 

@@ -22,7 +22,7 @@ from .data import IGNORE_INDEX
 from .loss import chunked_cross_entropy
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 PRESETS = {
     # Qwen2.5-1.5B's architecture (the reference workload); random init, since weights come from a hub.
@@ -101,7 +101,7 @@ def weights_fingerprint(cfg: ModelConfig) -> dict:
     return out
 
 
-def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> nn.Module:
+def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> PreTrainedModel:
     """The causal LM in fp32 on the current default device: loaded, or seeded random init (same on all ranks).
 
     `vocab_size` (from a trained tokenizer) resizes a preset's vocabulary.
@@ -162,7 +162,7 @@ class CausalLMWithLoss(nn.Module):
 
 
 @torch.no_grad()
-def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """A plain (unsharded) copy of the sharded LM on `device`, in `dtype`: for generation and the export.
 
     Collective: every rank all-gathers each parameter in turn (so the peak is one full parameter on top of the

@@ -1,6 +1,7 @@
 """The training loop, run once per worker: the same function under Ray Train and under torchrun.
 
-`train_loop` sets up the process group and the run record, then `fit` reads as three steps:
+`train_loop` (given the driver's `LoopConfig` and the `launch.Launcher` that runs it) sets up the device, the
+process group and the run record, then `fit` reads as three steps:
 `build` (tokenizer, data, model, FSDP2, optimizer, resume) → `train` (the loop: step, log, evaluate, checkpoint)
 → `finish` (last checkpoint, final task evaluation and sample, export). Every phase is timed (`metrics.Timeline`),
 so each run records where its wall time went and its goodput.
@@ -15,7 +16,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,25 +33,48 @@ from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, for
 from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
                     weights_fingerprint)
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .launch import Launcher
+
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
 # the transport NCCL chose is in its log, and gathers each worker's environment for the run record.
 RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmup=1)
 
 
-def train_loop(loop_config: dict) -> None:
-    """Entry point of every worker. `loop_config` holds the resolved config dict, the launcher name, the run
-    directory, the driver's start time and, when the driver trained one, the tokenizer's JSON.
+@dataclass
+class LoopConfig:
+    """What the driver (`launch.prepare`) hands every worker's `train_loop`. (Ray Train carries it as a plain
+    dict: `launch.ray_loop_config` and `launch.ray_worker_args` convert it, both ways.)"""
+
+    cfg: config_lib.RunConfig
+    """The resolved run config (local paths made absolute: `launch.resolve_paths`)."""
+    run_dir: str
+    """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
+    started_at: float
+    """When the driver started preparing the run (epoch seconds): the start of the run's time accounting, so the
+    `startup` phase includes Ray's scheduling and the workers' imports (`metrics.Timeline`)."""
+    tokenizer_json: str | None = None
+    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
+    a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
+
+
+def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
+    """Entry point of every worker: `loop_config` is what the driver prepared; `launcher` (`launch.Launcher`) is
+    what this loop asks of the launcher that runs it.
 
     Around the training itself (`fit`), rank 0 keeps the run record `run.json`: opened after the preflight,
     closed with the results, or with the error when anything fails.
     """
-    cfg = config_lib.load_dict(loop_config["config"])
-    run_dir = loop_config["run_dir"]
+    cfg, run_dir = loop_config.cfg, loop_config.run_dir
     nccl_log_dir = os.path.join(tempfile.gettempdir(), "job-nccl", cfg.name)
     nccl.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
-    device = _setup_distributed(loop_config["launcher"], cfg.scaling.use_gpu)
+    device = launcher.setup_device(cfg.scaling.use_gpu)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     rank = dist.get_rank()
-    timeline = Timeline(loop_config.get("started_at", time.time()), device)
+    timeline = Timeline(loop_config.started_at, device)
 
     full_preflight = cfg.preflight.enabled or cfg.mode == "preflight"
     record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
@@ -73,14 +97,14 @@ def train_loop(loop_config: dict) -> None:
         return
 
     try:
-        results = fit(cfg, loop_config, device, record, timeline)
+        results = fit(loop_config, launcher, device, record, timeline)
     except BaseException as exc:
         if record:
             evidence.finish_record(run_dir, record, status="failed", error=exc, time=timeline.summary())
         raise
     if record:
         evidence.finish_record(run_dir, record, **results)
-    _report({"step": cfg.train.max_steps}, loop_config["launcher"])
+    launcher.report({"step": cfg.train.max_steps})
 
 
 @dataclass
@@ -93,7 +117,7 @@ class Run:
     rank: int
     world: int
     bf16: bool
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase | None
     dataset: data_lib.Dataset
     model: CausalLMWithLoss
     optimizer: torch.optim.Optimizer
@@ -119,10 +143,10 @@ class Run:
             self.logger.log(record)
 
 
-def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None,
+def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
         timeline: Timeline) -> dict:
     """Builds, trains and finishes the run; returns results for the run record (rank 0's are used)."""
-    run, weights = build(cfg, loop_config, device, record, timeline)
+    run, weights = build(loop_config, launcher, device, record, timeline)
     try:
         train(run)
         return finish(run, weights)
@@ -130,18 +154,18 @@ def fit(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, reco
         run.checkpointer.close()
 
 
-def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, record: dict | None,
+def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
           timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
     """Tokenizer and data, model (FSDP2-sharded), optimizer, and the resume point. Returns the run and a function
     that returns the weights fingerprint (hashed in a background thread on rank 0: gigabytes take seconds)."""
-    run_dir = loop_config["run_dir"]
+    cfg, run_dir = loop_config.cfg, loop_config.run_dir
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoint_lib.write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
     # ---- Tokenizer and data: every rank builds the same packed blocks, then reads only its shard of them.
     with timeline.phase("data"):
-        tokenizer_json = loop_config.get("tokenizer_json")
+        tokenizer_json = loop_config.tokenizer_json
         tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
         dataset, data_cache = data_lib.build_once(cfg.data, cfg.train, tokenizer, run_dir)
     weights = in_background(weights_fingerprint, cfg.model) if record else dict
@@ -183,8 +207,8 @@ def build(cfg: config_lib.RunConfig, loop_config: dict, device: torch.device, re
         batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_micro)
 
     flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
-    logger = (MetricsLogger(run_dir, cfg.train.max_steps, cfg.logging.progress_bar, keep_until_step=start_step,
-                            loop_config=loop_config) if rank == 0 else None)
+    logger = (MetricsLogger(run_dir, cfg.train.max_steps, launcher.progress_style(cfg.logging.progress_bar),
+                            keep_until_step=start_step) if rank == 0 else None)
     run = Run(cfg, run_dir, device, rank, world, bf16, tokenizer, dataset, model, optimizer, schedule, batches,
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
@@ -334,7 +358,7 @@ def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def unsharded_copy(run: Run):
+def unsharded_copy(run: Run) -> PreTrainedModel:
     """The model gathered into a plain copy on this rank, in the dtype training computes in (collective)."""
     return gathered_copy(run.model, torch.bfloat16 if run.bf16 else torch.float32, run.device)
 
@@ -349,7 +373,7 @@ def log_eval(run: Run, step: int) -> float | None:
     return eval_loss
 
 
-def run_task_eval(run: Run, step: int, lm=None) -> None:
+def run_task_eval(run: Run, step: int, lm: PreTrainedModel | None = None) -> None:
     """Task evaluation at `step` on an unsharded copy of the model (`lm`, or gathered here)."""
     with run.timeline.phase("task_eval"):
         start = time.perf_counter()
@@ -412,7 +436,7 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
     return results
 
 
-def export(run: Run, lm, acceptance: export_lib.AcceptanceProcess | None) -> dict:
+def export(run: Run, lm: PreTrainedModel, acceptance: export_lib.AcceptanceProcess | None) -> dict:
     """The checked export of the final model, against the final held-out loss (measured here when the loop did
     not, e.g. a finished run re-run, or on seeded random blocks for runs without a held-out split)."""
     cfg = run.cfg
@@ -454,7 +478,8 @@ def in_background(fn: Callable, *args) -> Callable[[], object]:
     return wait
 
 
-def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig, device: torch.device):
+def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig,
+                    device: torch.device) -> tuple[torch.optim.Optimizer, Callable[[int], float]]:
     """AdamW (fused kernels on GPU) with weight decay on matrices only, and the warmup + cosine schedule."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -484,26 +509,3 @@ def to_device(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor
     if device.type == "cuda":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
-
-
-def _setup_distributed(launcher: str, use_gpu: bool) -> torch.device:
-    """The worker's device. Ray Train has already created the process group; torchrun leaves it to us."""
-    if launcher == "ray":
-        import ray.train.torch
-
-        device = ray.train.torch.get_device()
-    else:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_gpu else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
-
-
-def _report(metrics: dict, launcher: str) -> None:
-    if launcher == "ray":
-        import ray.train
-
-        ray.train.report(metrics)

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+from job import config as config_lib
 from job import launch
-from job.metrics import MetricsLogger, device_timeline, idle_gap_lines, progress_style
+from job.metrics import MetricsLogger, device_timeline, idle_gap_lines
+from job.train import LoopConfig
 
 
 def test_device_timeline_counts_overlap_once_and_finds_gaps():
@@ -54,21 +56,26 @@ class Stream(io.StringIO):
 ])
 def test_progress_bar_under_ray_follows_the_drivers_terminal(monkeypatch, setting, driver_tty, shown):
     monkeypatch.setattr(sys, "stderr", Stream(driver_tty))
-    loop_config = launch.ray_loop_config({"run_dir": "/runs/a"})  # in the driver
+    cfg = config_lib.load_dict({"name": "a", "model": {"init": "random", "preset": "qwen2-tiny"},
+                                "data": {"format": "synthetic"}})
+    loop_config = LoopConfig(cfg, "/runs/a", 1.5, tokenizer_json="{}")
+    train_loop_config = launch.ray_loop_config(loop_config)  # in the driver
     monkeypatch.setattr(sys, "stderr", Stream(False))  # in a Ray worker: its stderr is a log file
-    assert progress_style(setting, loop_config) == shown
+    received, launcher = launch.ray_worker_args(train_loop_config)
+    assert launcher.progress_style(setting) == shown
+    assert received == loop_config  # and the loop gets what the driver prepared
 
 
 @pytest.mark.parametrize("tty, shown", [(True, "tqdm"), (False, None)])
 def test_progress_bar_under_torchrun_follows_rank_0s_stderr(monkeypatch, tty, shown):
     monkeypatch.setattr(sys, "stderr", Stream(tty))
-    assert progress_style("auto", {"launcher": "torchrun"}) == shown
+    assert launch.TorchrunLauncher().progress_style("auto") == shown
 
 
 @pytest.mark.parametrize("tty", [True, False])
 def test_redirected_stderr_gets_no_bar(monkeypatch, tmp_path, tty):
     monkeypatch.setattr(sys, "stderr", Stream(tty))
-    logger = MetricsLogger(str(tmp_path), 10, "auto", loop_config={"launcher": "torchrun"})
+    logger = MetricsLogger(str(tmp_path), 10, launch.TorchrunLauncher().progress_style("auto"))
     logger.log({"kind": "train", "step": 5, "loss": 2.5})
     logger.close()
     drawn = sys.stderr.getvalue()
@@ -82,7 +89,7 @@ def test_a_ray_worker_reports_its_bar_to_the_driver(monkeypatch, tmp_path, capsy
 
     monkeypatch.setattr(worker.global_worker, "mode", ray.WORKER_MODE)
     monkeypatch.setattr(sys, "stderr", Stream(False))
-    logger = MetricsLogger(str(tmp_path), 10, "auto", loop_config={"launcher": "ray", "driver_tty": True})
+    logger = MetricsLogger(str(tmp_path), 10, launch.RayLauncher(driver_tty=True).progress_style("auto"))
     logger.log({"kind": "train", "step": 5, "loss": 2.5})
     logger.close()
     states = [json.loads(line) for line in capsys.readouterr().out.splitlines() if RAY_TQDM_MAGIC in line]
