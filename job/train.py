@@ -298,6 +298,7 @@ def train(run: Run) -> None:
             check_finite(step, *finite_probe(loss_sum, grad_norm))
             with run.timeline.phase("checkpoint"):
                 start = time.perf_counter()
+                complete_checkpoint(run)  # the previous save, if still writing: training waits for it
                 run.checkpointer.save(step, run.model, run.optimizer)
                 run.timeline.checkpoint_blocking_s.append(time.perf_counter() - start)
     run.timeline.sync()

@@ -154,6 +154,8 @@ def test_worker_killed_during_an_async_write_resumes_from_the_previous_checkpoin
     (resume,) = _records(run_dir, "resume")
     assert resume["step"] == 4 and resume["data_exact"]
     _assert_same_training(run_dir, reference)
+    # Every completed save is recorded, also one completed when the next save began.
+    assert [r["step"] for r in _records(run_dir, "checkpoint")] == [4, 8, 12, 16, 20]
 
 
 @pytest.mark.image_set
