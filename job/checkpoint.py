@@ -15,8 +15,11 @@ Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS 
         _UNUSABLE                        (only) a complete checkpoint that failed verification on resume
     export/                          model.safetensors, config.json, tokenizer files, reference.json,
                                      acceptance.json and the `_VALID` marker once the reload check passed
+    data_cache/<key>.pt              the run's tokenized, packed data, built once (data.build_once)
     faults/                          markers of injected faults (debug.fail_at_step), so each fires once
     workers/rank<r>.pid              worker process ids (local storage only; for failure drills)
+
+Beside the runs, `<storage_path>/.compile_cache/<key>.bin` keeps what `torch.compile` built (job/compile_cache.py).
 
 Both launchers run the same code (`Checkpointer`): every rank writes its DCP shards straight to the checkpoint
 directory and lists their checksums, then rank 0 writes `train_state.json` and `_COMPLETE` and prunes old
