@@ -19,6 +19,7 @@ export directory, and reads it, only once every file is written.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -214,7 +215,9 @@ def accept(export_dir: str) -> dict:
                      if os.path.exists(os.path.join(export_dir, "tokenizer_config.json")) else None)
         if vocabulary_sha256(tokenizer) != ref["tokenizer_vocabulary_sha256"]:
             raise ExportError("the reloaded tokenizer's vocabulary or special tokens differ from the training tokenizer's")
-        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype="auto", device_map=str(device))
+        # Straight onto the device where Transformers can (it needs accelerate for that, which the image may lack).
+        on_device = {"device_map": str(device)} if importlib.util.find_spec("accelerate") else {}
+        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype="auto", **on_device).to(device)
         result["dtype"] = str(lm.dtype)
         lap("load_s")
         model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
