@@ -2,7 +2,8 @@
 
 Modules, one concern each (flat, because the chart ships them in a ConfigMap):
 `config` (run config), `data` (sources, formats, packing, batches), `model` (build + FSDP2 `parallelize`),
-`loss` (chunked cross-entropy), `train` (the per-worker loop: build → train → finish), `evaluate` (held-out loss,
+`loss` (chunked cross-entropy), `compile_cache` (compiled code kept on the runs' storage), `train` (the
+per-worker loop: build → train → finish), `evaluate` (held-out loss,
 generation, task evaluation), `checkpoint` (asynchronous save, resume), `export` (the checked Hugging Face export),
 `metrics` (MFU, metric log, time accounting and goodput, one-step profiler), `nccl` (transport from NCCL's log),
 `environment` (worker inventory, image digest), `preflight` (bandwidth and transport checks),
