@@ -31,7 +31,6 @@ refuse a restart when a listed checkpoint is gone, and prune without knowing whi
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
@@ -262,16 +261,12 @@ def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> di
 
     data = {k: content(fingerprint.get(k)) for k in ("format", "train", "validation", "packing")}
     return {
-        "tokenizer": _sha256_json(fingerprint.get("tokenizer")),
-        "data": _sha256_json(data),
+        "tokenizer": storage.json_sha256(fingerprint.get("tokenizer")),
+        "data": storage.json_sha256(data),
         "seq_len": cfg.train.seq_len,
         "seed": cfg.train.seed,
         "global_batch": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world,
     }
-
-
-def _sha256_json(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 IDENTITY_FIELDS = {"tokenizer": "tokenizer", "data": "data", "seq_len": "train.seq_len", "seed": "train.seed",

@@ -11,8 +11,6 @@ that does not fit only means a cache miss; a file that cannot be read is reporte
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict
 
 import torch
@@ -25,11 +23,11 @@ CACHE_DIR = ".compile_cache"
 
 def cache_uri(cfg: RunConfig, device: torch.device) -> str:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    key = hashlib.sha256(json.dumps({
+    key = storage.json_sha256({
         "torch": torch.__version__, "device": device_name, "model": asdict(cfg.model), "parallel": asdict(cfg.parallel),
         "seq_len": cfg.train.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
         "loss_chunk_size": cfg.train.loss_chunk_size,
-    }, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    })[:16]
     return storage.join(cfg.storage_path, CACHE_DIR, f"{key}.bin")
 
 

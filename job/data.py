@@ -645,10 +645,10 @@ def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTok
     """
     if cfg.format == "synthetic":
         return build(cfg, train_cfg, tokenizer), "built"
-    key = hashlib.sha256(json.dumps({
+    key = storage.json_sha256({
         "data": asdict(cfg), "seq_len": train_cfg.seq_len, "seed": train_cfg.seed,
         "tokenizer": tokenizer_fingerprint(tokenizer, cfg.chat_template)["sha256"],
-    }, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    })[:16]
     uri = storage.join(run_dir, DATA_CACHE, f"{key}.pt")
     collective = dist.is_initialized() and dist.get_world_size() > 1
     how = "read"

@@ -10,6 +10,7 @@ after a crash, never sees half a file.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 
@@ -77,6 +78,11 @@ def digest(uri: str) -> dict:
             h.update(chunk)
             size += len(chunk)
     return {"sha256": h.hexdigest(), "bytes": size}
+
+
+def json_sha256(value) -> str:
+    """sha256 of a JSON-serialisable value in canonical form (sorted keys): a key for what the value describes."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def write_atomic(uri: str, data: bytes | str) -> None:
