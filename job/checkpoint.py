@@ -347,13 +347,14 @@ class Checkpointer:
     """Saves checkpoints while training goes on (collective: every rank makes the same calls in the same order).
 
     `save(step)` copies this rank's shards of the model and optimizer state into host memory (`HostStager`:
-    pinned on GPU, allocated in the background after the first step, reused), which is all training waits for,
-    and hands the
-    write to a background thread: DCP shards and this rank's RNG state, over a gloo group of its own so that
-    the training's collectives keep the default group to themselves. A checkpoint becomes complete only in
-    `finish()`, once every rank's write has returned: rank 0 then writes `train_state.json` and, last,
-    `_COMPLETE`, and prunes. A save cut short (a worker died mid-write) has no marker and is never
-    resumed from; the previous complete checkpoint is.
+    allocated in the background after the first step, reused, pinned on GPU), which is all training waits for.
+    The write (DCP shards, over a gloo group of its own so that the training's collectives keep the default
+    group to themselves) runs in a writer process per worker that reads the staged state from shared memory,
+    or in a thread (`checkpoint.async_writer`, chosen in `prepare`); a background thread then writes this
+    rank's RNG state and checksums. A checkpoint becomes complete only in `finish()`, once every rank's write
+    has returned: rank 0 then writes `train_state.json` and, last, `_COMPLETE`, and prunes. A save cut short
+    (a worker died mid-write) has no marker and is never resumed from; the previous complete checkpoint is.
+    (A writer process whose worker died finishes or fails the write it is in, then exits: its pipe is closed.)
 
     At most one save is in flight: `save` finishes the previous one first. The loop calls `finish()` at a log
     step once every rank reports its write done (`write_done`, summed with the loss), and at the end of the run,
@@ -364,26 +365,35 @@ class Checkpointer:
         """`identity` (`run_identity`) is kept in each checkpoint's train state, for the resume check."""
         from concurrent.futures import ThreadPoolExecutor
 
-        self.cfg, self.run_dir, self.identity = cfg, run_dir, identity
+        self.cfg, self.run_dir, self.device, self.identity = cfg, run_dir, device, identity
         self.group = dist.new_group(backend="gloo")
-        self.stager = HostStager(pin=device.type == "cuda")
+        self.stager: HostStager | None = None
+        self.writer: dict = {}
+        """`{"writer": "process" | "thread", "reason": ...}`, chosen by `prepare`."""
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
         self.pending = None  # (step, uri, future of the write, returning its seconds)
         self.arch: dict = {}
 
-    def prepare(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
-        """Allocates the host buffers of the first save in the background (pinning gigabytes of host memory
-        takes seconds); call once the optimizer has its state, i.e. after the first step."""
+    def prepare(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> dict:
+        """Chooses the writer (collective) and allocates the host buffers of the first save in the background
+        (pinning gigabytes of host memory takes seconds); call once the optimizer has its state, i.e. after the
+        first step. Returns the choice, `self.writer`."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        self.stager.allocate_in_background({"model": model_sd, "optim": optim_sd})
+        layout = tensor_layout({"model": model_sd, "optim": optim_sd})
+        self.writer = choose_writer(self.cfg.checkpoint.async_writer, layout, self.group)
+        self.stager = HostStager(pin=self.device.type == "cuda", shared=self.writer["writer"] == "process")
+        self.stager.allocate_in_background(layout)
+        return self.writer
 
     def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Starts saving `step`; returns once the state is staged in host memory."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.finish()
+        if self.stager is None:
+            self.prepare(model, optimizer)
         rank = dist.get_rank()
         uri = storage.join(self.run_dir, step_dir(step))
         if rank == 0:
@@ -399,9 +409,14 @@ class Checkpointer:
 
     def _write(self, staged: dict, uri: str, rng: bytes, rank: int) -> float:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         start = time.perf_counter()
-        dcp.save(staged, storage_writer=_writer(uri), process_group=self.group)
+        if self.writer["writer"] == "process":  # DCP's writer process, started by the first save
+            dcp.async_save(staged, storage_writer=_writer(uri), process_group=self.group,
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=ALREADY_STAGED).result()
+        else:
+            dcp.save(staged, storage_writer=_writer(uri), process_group=self.group)
         storage.write_atomic(storage.join(uri, "rng", f"rank{rank:05d}.pt"), rng)
         write_checksums(uri, rank)
         return time.perf_counter() - start
@@ -446,35 +461,112 @@ class Checkpointer:
         return {"step": step, "uri": uri, "write_s": write_s}
 
     def close(self) -> None:
+        """Waits for the write in flight, then ends the writer process, if one was started."""
+        from torch.distributed.checkpoint import _async_process_executor as process_executor
+
         self.executor.shutdown(wait=True)
+        # DCP keeps its writer process for the life of the interpreter; dropping it ends it (`__del__`), so a
+        # later run in this interpreter starts a writer of its own, for its own process group.
+        process_executor._CHECKPOINT_PROCESS = None
+
+
+class _AlreadyStaged:
+    """DCP's stager protocol (`AsyncStager`) for a state dict that `HostStager` has already put in host memory."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+ALREADY_STAGED = _AlreadyStaged()
+
+SHARED_MEMORY = "/dev/shm"
+
+
+def tensor_layout(state_dict: dict) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of each tensor of a state dict (a DTensor's local shard), by its place in it."""
+    layout = {}
+
+    def note(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        layout[path] = (tensor.shape, tensor.dtype)
+        return tensor
+
+    _map_tensors(state_dict, note)
+    return layout
+
+
+def choose_writer(setting: str, layout: dict, group: dist.ProcessGroup) -> dict:
+    """`{"writer", "reason", ...}` for `checkpoint.async_writer` = `setting` (collective over `group`).
+
+    The writer process reads the staged state from `/dev/shm`, so every node needs room there for its workers'
+    staged shares together (a full `/dev/shm` is not an error but a SIGBUS when the memory is touched), and
+    a file descriptor per tensor. `process` without that room raises `CheckpointError` naming the numbers;
+    `auto` then takes the writer thread."""
+    import resource
+    import socket
+
+    need = sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
+    if setting == "thread":
+        return {"writer": "thread", "reason": "checkpoint.async_writer: thread", "bytes": need}
+    try:
+        st = os.statvfs(SHARED_MEMORY)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    host = socket.gethostname()
+    ranks = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, (host, need), group=group)
+    node_need = sum(n for h, n in ranks if h == host)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = len(layout) + 1024  # a descriptor per staged tensor, beside what the worker already has open
+    problem = None
+    if node_need > free:
+        problem = (f"this node's {sum(h == host for h, _ in ranks)} worker(s) stage {node_need / 1e9:.2f} GB of "
+                   f"checkpoint state, and {SHARED_MEMORY} has {free / 1e9:.2f} GB free")
+    elif hard != resource.RLIM_INFINITY and files > hard:
+        problem = f"its {len(layout)} staged tensors need ~{files} open files, over the limit of {hard}"
+    verdicts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, problem, group=group)  # one choice for all ranks: their writers work together
+    problems = sorted({p for p in verdicts if p})
+    if not problems:
+        if soft != resource.RLIM_INFINITY and soft < files:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return {"writer": "process", "reason": f"checkpoint.async_writer: {setting}", "bytes": need,
+                "node_bytes": node_need, "shm_free_bytes": free}
+    if setting == "process":
+        raise CheckpointError(
+            f"checkpoint.async_writer: process: {'; '.join(problems)}. Give the pods more shared memory (the "
+            f"chart's shm.sizeLimit, within the pods' memory limit) or set checkpoint.async_writer: thread")
+    return {"writer": "thread", "reason": f"checkpoint.async_writer: auto, and {'; '.join(problems)}", "bytes": need}
 
 
 class HostStager:
     """Copies a state dict's tensors (DTensors: their local shards) into host buffers kept from save to save, so
-    training may go on changing the originals while a background thread writes the copy.
+    training may go on changing the originals while the writer writes the copy.
 
-    Buffers are keyed by their place in the state dict and pinned on GPU runs (fast, asynchronous device-to-host
-    copies, waited for once at the end). Everything that is not a tensor is deep-copied.
+    Buffers are keyed by their place in the state dict, pinned on GPU runs (fast, asynchronous device-to-host
+    copies, waited for once at the end) and, for the writer process, in shared memory. Everything that is not
+    a tensor is deep-copied.
     """
 
-    def __init__(self, pin: bool):
-        self.pin = pin
+    def __init__(self, pin: bool, shared: bool = False):
+        self.pin, self.shared = pin, shared
         self.buffers: dict[tuple, torch.Tensor] = {}
         self._allocating = None
 
-    def allocate_in_background(self, state_dict: dict) -> None:
+    def allocate_in_background(self, layout: dict[tuple, tuple[torch.Size, torch.dtype]]) -> None:
+        """Allocates the buffers of `layout` (`tensor_layout`) in a background thread; `stage` waits for it."""
         import threading
 
-        shapes = {}
-
-        def note(path: tuple, tensor: torch.Tensor) -> torch.Tensor:  # the buffers `stage` will copy into
-            shapes[path] = (tensor.shape, tensor.dtype)
-            return tensor
-
-        _map_tensors(state_dict, note)
         self._allocating = threading.Thread(target=lambda: self.buffers.update(
-            {path: torch.empty(shape, dtype=dtype, pin_memory=self.pin) for path, (shape, dtype) in shapes.items()}),
-            daemon=True)
+            {path: self._allocate(shape, dtype) for path, (shape, dtype) in layout.items()}), daemon=True)
         self._allocating.start()
 
     def stage(self, state_dict: dict) -> dict:
@@ -489,8 +581,19 @@ class HostStager:
     def _buffer(self, path: tuple, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self.buffers[path] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin)
+            buffer = self.buffers[path] = self._allocate(tensor.shape, tensor.dtype)
         return buffer.copy_(tensor.detach(), non_blocking=self.pin)
+
+    def _allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if not self.shared:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        buffer = torch.empty(shape, dtype=dtype).share_memory_()
+        nbytes = buffer.untyped_storage().nbytes()
+        if self.pin and nbytes:  # page-locks the shared pages in place (cudaHostRegisterPortable)
+            error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 1))
+            if error:
+                raise RuntimeError(f"checkpoint staging: cudaHostRegister of {nbytes} bytes failed (CUDA error {error})")
+        return buffer
 
 
 def _map_tensors(obj, fn: Callable[[tuple, torch.Tensor], torch.Tensor], path: tuple = ()):

@@ -262,7 +262,7 @@ def train(run: Run) -> None:
                 compile_cache.save(run.compile_cache)
             run.timeline.sync()
             first_step_s = time.perf_counter() - loop_start
-            run.checkpointer.prepare(run.model, run.optimizer)
+            run.log({"kind": "checkpoint_writer", "step": step, **run.checkpointer.prepare(run.model, run.optimizer)})
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
             writes_done = float(run.checkpointer.write_done())

@@ -344,6 +344,12 @@ def _sharded_model(cfg: config_lib.RunConfig):
     return model, optimizer
 
 
+def _batch() -> dict:
+    """A seeded micro-batch for `_sharded_model`'s 512-token vocabulary (a step gives the optimizer its state)."""
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
 def _identity(uri: str) -> dict:
     """The run identity a checkpoint was saved with: a resume of the same run presents it unchanged."""
     return json.load(open(f"{uri}/{checkpoint_lib.STATE}"))["identity"]
@@ -507,7 +513,9 @@ def test_run_identity_follows_content_not_paths():
 
 def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     """The torchrun path (no Ray) on an fsspec object store: save, keep_last, resume scan, exact restore."""
-    cfg = _config(tmp_path, "mem", scaling={"num_workers": 1}, checkpoint={"keep_last": 2, "async_save": True})
+    # A memory:// store lives in this process only: a writer process would write into a store of its own.
+    cfg = _config(tmp_path, "mem", scaling={"num_workers": 1},
+                  checkpoint={"keep_last": 2, "async_save": True, "async_writer": "thread"})
     run_dir = "memory://runs/mem"
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
@@ -529,6 +537,70 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     for key, value in fresh_model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
     assert torch.equal(torch.get_rng_state(), rng), "RNG state restored from the checkpoint"
+
+
+def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpointer(tmp_path, single_process):
+    """checkpoint.async_writer: process: DCP's writer process reads the staged state from shared memory and
+    writes it; the checkpoint verifies and restores bit for bit, and `close` ends the process."""
+    import multiprocessing
+
+    cfg = _config(tmp_path, "proc", scaling={"num_workers": 1},
+                  checkpoint={"async_save": True, "async_writer": "process"})
+    run_dir = str(tmp_path / "runs" / "proc")
+    model, optimizer = _sharded_model(cfg)
+    model(**_batch())[0].backward()
+    optimizer.step()
+    identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
+    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    writer = checkpointer.prepare(model, optimizer)
+    assert writer["writer"] == "process" and writer["bytes"] > 0
+    checkpointer.save(4, model, optimizer)
+    assert checkpointer.stager.buffers and all(b.is_shared() for b in checkpointer.stager.buffers.values())
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    checkpointer.finish()
+    writers = multiprocessing.active_children()
+    assert writers, "the write ran in a child process"
+    checkpointer.close()
+    for process in writers:
+        process.join(timeout=30)
+        assert not process.is_alive()
+    uri = f"{run_dir}/checkpoint_00000004"
+    assert checkpoint_lib.verify(uri) == []
+    fresh_model, fresh_optimizer = _sharded_model(_config(tmp_path, "proc", scaling={"num_workers": 1},
+                                                          train={"seed": 5}))
+    fresh_model(**_batch())[0].backward()
+    fresh_optimizer.step()
+    assert checkpoint_lib.restore(uri, fresh_model, fresh_optimizer, cfg, identity)["step"] == 4
+    for key, value in fresh_model.state_dict().items():
+        torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
+
+
+def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monkeypatch):
+    """Too little /dev/shm for the staged state: `process` stops naming the numbers and the values to change,
+    `auto` takes the writer thread and says why, `thread` never looks."""
+    cfg = _config(tmp_path, "shm", scaling={"num_workers": 1})
+    model, optimizer = _sharded_model(cfg)
+    layout = checkpoint_lib.tensor_layout(model.state_dict())
+    need = sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
+    real_statvfs = os.statvfs
+
+    def small_shm(path):
+        st = real_statvfs(path)
+        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, 10, 10, *st[5:]))  # 40 KB free
+
+    monkeypatch.setattr(os, "statvfs", small_shm)
+    group = torch.distributed.new_group(backend="gloo")
+    with pytest.raises(checkpoint_lib.CheckpointError) as info:
+        checkpoint_lib.choose_writer("process", layout, group)
+    assert str(info.value) == (
+        f"checkpoint.async_writer: process: this node's 1 worker(s) stage {need / 1e9:.2f} GB of checkpoint state, "
+        "and /dev/shm has 0.00 GB free. Give the pods more shared memory (the chart's shm.sizeLimit, within the "
+        "pods' memory limit) or set checkpoint.async_writer: thread")
+    auto = checkpoint_lib.choose_writer("auto", layout, group)
+    assert auto["writer"] == "thread" and auto["reason"].startswith("checkpoint.async_writer: auto, and this node's")
+    assert checkpoint_lib.choose_writer("thread", layout, group)["writer"] == "thread"
+    monkeypatch.setattr(os, "statvfs", real_statvfs)
+    assert checkpoint_lib.choose_writer("auto", layout, group)["writer"] == "process"
 
 
 def test_fault_injection_settings_are_checked():
