@@ -42,11 +42,14 @@ def _rank_slots(n: int, rank: int, world: int) -> tuple[list[int], list[bool]]:
 
 def eval_batches(n_blocks: int, rank: int, world: int, micro_batch_size: int, max_batches: int):
     """Rank `rank`'s held-out micro-batches as (block indices, real?) pairs: ceil(n / world) blocks per rank, in
-    the same number of micro-batches on every rank (capped by `max_batches` when > 0)."""
+    the same number of full micro-batches on every rank (the last one filled up with weight-0 repeats, so every
+    forward has the training's shape), capped by `max_batches` when > 0."""
     index, real = _rank_slots(n_blocks, rank, world)
     n_batches = math.ceil(len(index) / micro_batch_size)
     if max_batches:
         n_batches = min(n_batches, max_batches)
+    fill = n_batches * micro_batch_size - len(index)
+    index, real = index + [0] * max(fill, 0), real + [False] * max(fill, 0)
     starts = range(0, n_batches * micro_batch_size, micro_batch_size)
     return [(index[s : s + micro_batch_size], real[s : s + micro_batch_size]) for s in starts]
 
@@ -71,26 +74,40 @@ def synthetic_heldout(vocab: int, n: int, seq_len: int, seed: int) -> data_lib.B
                            torch.arange(seq_len).expand(n, seq_len).contiguous())
 
 
-@torch.no_grad()
 def evaluate(model: CausalLMWithLoss, blocks: data_lib.Blocks, cfg: RunConfig, rank: int, world: int,
              device: torch.device) -> float:
     """Mean held-out loss per target token over all ranks (`cfg` is the RunConfig).
 
     Each rank runs the same number of micro-batches: ceil(blocks / world) blocks each, the ranks that run out
     repeating a block with weight 0. `eval.max_batches` caps the micro-batches per rank.
+
+    With `parallel.compile` the forward runs as a training forward does (train mode, autograd on, the results
+    detached at once), so it is the graph the training step compiles: an evaluation compiles no graph of its own
+    (an inference graph of Qwen2.5-1.5B took ~20 s to compile at step 0). That needs a model without dropout;
+    one with dropout is evaluated in eval mode, under `no_grad`.
     """
-    model.eval()
+    as_training = cfg.parallel.compile and not has_dropout(model)
+    if not as_training:
+        model.eval()
     totals = torch.zeros(2, device=device)
-    for index, real in eval_batches(len(blocks), rank, world, cfg.train.micro_batch_size, cfg.eval.max_batches):
-        b = blocks.select(torch.tensor(index))
-        labels = b.labels.clone()
-        labels[~torch.tensor(real)] = data_lib.IGNORE_INDEX  # weight-0 repeats
-        loss_sum, n = model(input_ids=b.input_ids.to(device), labels=labels.to(device),
-                            position_ids=b.position_ids.to(device))
-        totals += torch.stack([loss_sum.float(), n.float()])
+    with torch.set_grad_enabled(as_training):
+        for index, real in eval_batches(len(blocks), rank, world, cfg.train.micro_batch_size, cfg.eval.max_batches):
+            b = blocks.select(torch.tensor(index))
+            labels = b.labels.clone()
+            labels[~torch.tensor(real)] = data_lib.IGNORE_INDEX  # weight-0 repeats
+            loss_sum, n = model(input_ids=b.input_ids.to(device), labels=labels.to(device),
+                                position_ids=b.position_ids.to(device))
+            totals += torch.stack([loss_sum.detach().float(), n.float()])
     model.train()
     dist.all_reduce(totals)
     return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def has_dropout(model: CausalLMWithLoss) -> bool:
+    """Whether the model drops anything out in train mode (a dropout module, or a dropout rate in its config)."""
+    rates = [v for k, v in vars(model.lm.config).items() if k.endswith("dropout") and isinstance(v, (int, float))]
+    rates += [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    return any(rate > 0 for rate in rates)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -245,3 +245,50 @@ def test_two_worker_gsm8k_run_lowers_held_out_loss_and_scores_the_task(tmp_path,
     start = next(r for r in records if r["kind"] == "start")
     fp = start["data"]
     assert fp["train"]["rows_kept"] == 600 and fp["validation"]["rows_kept"] == 600 and fp["tokenizer"]["sha256"]
+
+
+@pytest.mark.parametrize("n_blocks, world, mb", [(10, 2, 4), (7, 3, 2), (1, 2, 4)])
+def test_eval_batches_are_full_and_cover_every_block_once(n_blocks, world, mb):
+    per_rank = [E.eval_batches(n_blocks, rank, world, mb, 0) for rank in range(world)]
+    assert len({len(batches) for batches in per_rank}) == 1  # the same number of forwards on every rank
+    assert all(len(index) == len(real) == mb for batches in per_rank for index, real in batches)
+    real = sorted(i for batches in per_rank for index, ok in batches for i, r in zip(index, ok) if r)
+    assert real == list(range(n_blocks))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypatch, dropout):
+    """With parallel.compile, the held-out loss is computed by the graph the training step compiled (no graph
+    of its own), and equals the loss of a plain no-grad eval-mode forward; a model with dropout is evaluated
+    in eval mode instead, which takes a graph of its own."""
+    import functools
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from job import config as config_lib
+    from job.model import CausalLMWithLoss, build_causal_lm, parallelize
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # traced, not built
+    cfg = config_lib.load_dict(tiny_run_config(tmp_path, parallel={"compile": True}, scaling={"num_workers": 1},
+                                               train={"micro_batch_size": 2, "seq_len": 16}))
+    cfg.model.overrides["attention_dropout"] = dropout
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = parallelize(CausalLMWithLoss(build_causal_lm(cfg.model, 512, 0)), cfg.parallel,
+                            init_device_mesh("cpu", (1,)), False)
+        blocks = E.synthetic_heldout(512, 5, 16, seed=0)  # 5 blocks in micro-batches of 2: the last one filled up
+        first = blocks.select(torch.arange(2))
+        model(input_ids=first.input_ids, labels=first.labels, position_ids=first.position_ids)[0].backward()
+        graphs = counters["stats"]["unique_graphs"]
+        loss = E.evaluate(model, blocks, cfg, 0, 1, torch.device("cpu"))
+        assert (counters["stats"]["unique_graphs"] == graphs) == (dropout == 0.0)
+        assert model.training and all(p.grad is not None for p in model.parameters())  # left as training found it
+        model.eval()
+        with torch.no_grad():
+            total, n = model(input_ids=blocks.input_ids, labels=blocks.labels, position_ids=blocks.position_ids)
+        assert loss == pytest.approx((total / n).item(), rel=1e-5)
+    finally:
+        dist.destroy_process_group()
