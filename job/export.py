@@ -12,9 +12,10 @@ trained one did. The acceptance check runs in a new interpreter (`python -m job 
 the training process (FSDP, hooks, in-memory weights) can leak into it. It reads the held-out blocks from the
 export instead of rebuilding the dataset, and checks that the tokenizer reloads with the same vocabulary.
 
-That interpreter is started (`AcceptanceProcess`) before the export is written, as the final task evaluation
-begins: its start, imports and CUDA initialization (seconds) overlap with that evaluation, and it is given the
-export directory, and reads it, only once every file is written.
+That interpreter is started (`AcceptanceProcess`) as the run's last phase begins, so its start, imports and
+CUDA initialization (seconds) overlap with gathering and writing the model; it is given the export directory,
+and reads it, once every file is written (`start_export`), and checks it while the training process runs the
+final task evaluation; `finish_export` collects the verdict.
 """
 
 from __future__ import annotations
@@ -62,13 +63,18 @@ class AcceptanceProcess:
         self._proc = subprocess.Popen([sys.executable, "-m", "job", "accept", "--wait"], stdin=subprocess.PIPE,
                                       stdout=subprocess.DEVNULL, stderr=self._stderr, env=env, text=True)
 
-    def check(self, export_dir: str) -> str:
-        """Has the process check `export_dir` (it writes `acceptance.json` there) and waits for it; returns its
-        exit status and the tail of its stderr: the cause, when it wrote no `acceptance.json`."""
+    def send(self, export_dir: str) -> None:
+        """Hands the process the export directory to check (it writes `acceptance.json` there); returns at once."""
         try:
-            self._proc.communicate(export_dir + "\n")
-        except BrokenPipeError:  # it died before reading its input
-            self._proc.wait()
+            self._proc.stdin.write(export_dir + "\n")
+            self._proc.stdin.close()
+        except BrokenPipeError:  # it died before reading its input: `wait` says how
+            pass
+
+    def wait(self) -> str:
+        """Waits for the check to end; returns the process's exit status and the tail of its stderr (the cause,
+        when it wrote no `acceptance.json`)."""
+        self._proc.wait()
         self._stderr.seek(0)
         return f"acceptance process exited {self._proc.returncode}: {self._stderr.read()[-2000:]}"
 
@@ -85,40 +91,56 @@ def start_acceptance() -> AcceptanceProcess | None:
     return AcceptanceProcess() if dist.get_rank() == 0 else None
 
 
-def export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig, run_dir: str,
-           reference: dict, heldout: data_lib.Blocks, batches: list[list[int]],
-           acceptance: AcceptanceProcess | None) -> dict:
-    """Rank 0 writes `<run>/export/` from the unsharded `lm` and has `acceptance` (its `start_acceptance()`)
-    check it (collective: the result reaches every rank). `reference` holds the final in-training held-out loss
-    and how it was measured; `batches` are the micro-batches of `heldout` it was measured on. Raises
-    `ExportError` on every rank when the check fails."""
+def start_export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig,
+                 run_dir: str, reference: dict, heldout: data_lib.Blocks, batches: list[list[int]],
+                 acceptance: AcceptanceProcess | None) -> dict | None:
+    """Rank 0 writes the export of the unsharded `lm` (staged beside `<run>/export/`) and hands it to
+    `acceptance` (its `start_acceptance()`) to check, and returns at once, so the check runs while training's
+    process does other work (the final task evaluation); `finish_export` collects the verdict. `reference`
+    holds the final in-training held-out loss and how it was measured; `batches` are the micro-batches of
+    `heldout` it was measured on. Returns what `finish_export` needs on rank 0, None on the others."""
+    if dist.get_rank() != 0:
+        return None
+    if torch.cuda.is_available():
+        # The acceptance process shares this GPU: hand back the allocator's cached blocks (the training
+        # activations' memory), or it runs out of memory after a run that filled the GPU.
+        torch.cuda.empty_cache()
+    start = time.perf_counter()
+    final = storage.join(run_dir, EXPORT_DIR)
+    stage = tempfile.mkdtemp(prefix="export-") if storage.is_remote(run_dir) else f"{final}.partial"
+    try:
+        _write(lm, tokenizer, cfg, reference, heldout, batches, stage)
+    except Exception as e:  # reported on every rank by `finish_export`, so no rank waits forever
+        return {"final": final, "error": f"{type(e).__name__}: {e}"}
+    acceptance.send(stage)
+    return {"stage": stage, "final": final, "step": reference["step"], "write_s": time.perf_counter() - start,
+            "sent_at": time.perf_counter()}
+
+
+def finish_export(pending: dict | None, acceptance: AcceptanceProcess | None) -> dict:
+    """Waits for the check `start_export` began; rank 0 marks a passed export `_VALID` and moves it into place
+    (collective: the result reaches every rank). Raises `ExportError` on every rank when the check failed."""
     result = None
     if dist.get_rank() == 0:
-        if torch.cuda.is_available():
-            # The acceptance process shares this GPU: hand back the allocator's cached blocks (the training
-            # activations' memory), or it runs out of memory after a run that filled the GPU.
-            torch.cuda.empty_cache()
         try:
-            result = _write_and_accept(lm, tokenizer, cfg, run_dir, reference, heldout, batches, acceptance)
-        except Exception as e:  # reported on every rank below, so no rank waits forever
+            result = {"ok": False, **pending} if "error" in pending else _collect(pending, acceptance)
+        except Exception as e:
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        result.setdefault("export_dir", pending["final"])
     box = [result]
     dist.broadcast_object_list(box, src=0)
     result = box[0]
     if not result.get("ok"):
-        raise ExportError(f"export {storage.join(run_dir, EXPORT_DIR)} failed its acceptance check: "
+        raise ExportError(f"export {result['export_dir']} failed its acceptance check: "
                           f"{result.get('error') or json.dumps(result)}")
     return result
 
 
-def _write_and_accept(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig,
-                      run_dir: str, reference: dict, heldout: data_lib.Blocks, batches: list[list[int]],
-                      acceptance: AcceptanceProcess) -> dict:
+def _write(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig,
+           reference: dict, heldout: data_lib.Blocks, batches: list[list[int]], stage: str) -> None:
+    """The export's files in directory `stage`: model, tokenizer, the held-out blocks and `reference.json`."""
     from safetensors.torch import save_file
 
-    start = time.perf_counter()
-    final = storage.join(run_dir, EXPORT_DIR)
-    stage = tempfile.mkdtemp(prefix="export-") if storage.is_remote(run_dir) else f"{final}.partial"
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage)
     lm.save_pretrained(stage, safe_serialization=True)
@@ -131,20 +153,27 @@ def _write_and_accept(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
     reference = {**reference, "tokenizer_vocabulary_sha256": vocabulary_sha256(tokenizer)}
     with open(os.path.join(stage, "reference.json"), "w") as f:
         json.dump({**reference, "batch_sizes": [len(b) for b in batches], "config": config_lib.to_dict(cfg)}, f, indent=1)
-    written = time.perf_counter()
-    outcome = acceptance.check(stage)
+
+
+def _collect(pending: dict, acceptance: AcceptanceProcess) -> dict:
+    """The acceptance process's verdict on the staged export, with timings; publishes the export."""
+    waited = time.perf_counter()
+    outcome = acceptance.wait()
+    stage, final = pending["stage"], pending["final"]
     try:
         with open(os.path.join(stage, "acceptance.json")) as f:
             result = json.load(f)
     except FileNotFoundError:
         result = {"ok": False, "error": outcome}
     result["export_dir"] = final
-    result.setdefault("timings", {}).update(write_s=written - start, check_s=time.perf_counter() - written)
+    now = time.perf_counter()
+    result.setdefault("timings", {}).update(write_s=pending["write_s"], check_s=now - pending["sent_at"],
+                                            waited_s=now - waited)
     with open(os.path.join(stage, "acceptance.json"), "w") as f:
         json.dump(result, f, indent=1)
     if result.get("ok"):
         with open(os.path.join(stage, VALID), "w") as f:
-            f.write(json.dumps({"step": reference["step"], "eval_loss": result["eval_loss"], "time": time.time()}) + "\n")
+            f.write(json.dumps({"step": pending["step"], "eval_loss": result["eval_loss"], "time": time.time()}) + "\n")
     _publish(stage, final)
     return result
 

@@ -395,20 +395,23 @@ def complete_checkpoint(run: Run) -> None:
 
 
 def finish(run: Run, weights: Callable[[], dict]) -> dict:
-    """After the last step, on one unsharded copy of the model: the final task evaluation, the sample and the
-    checked export, while the last checkpoint's write goes on; that checkpoint is completed last, before the
-    job reports success, also when the export fails. Returns the results for the run record."""
+    """After the last step, on one unsharded copy of the model: the export, written first and checked in its own
+    process while the final task evaluation and the sample run here, all while the last checkpoint's write
+    goes on; that checkpoint is completed last, before the job reports success, also when the export fails.
+    Returns the results for the run record."""
     cfg = run.cfg
     accepted = acceptance = None
     try:
         export_due = cfg.checkpoint.export and not export_lib.export_is_valid(run.run_dir, cfg.train.max_steps)
         task_due = cfg.eval.task and run.start_step < cfg.train.max_steps  # a re-run of a finished run has it
-        if export_due:  # it gets ready while the task evaluation runs
+        if export_due:  # it gets ready while the model is gathered and written
             acceptance = export_lib.start_acceptance()
-        lm = None
+        lm = pending = None
         if task_due or export_due or cfg.eval.sample_prompt is not None:
             with run.timeline.phase("export"):
                 lm = unsharded_copy(run)
+                if export_due:  # written now and checked in the acceptance process while the task evaluation runs
+                    pending = start_export(run, lm, acceptance)
         if task_due:
             run_task_eval(run, cfg.train.max_steps, lm)
         if cfg.eval.sample_prompt is not None:
@@ -416,7 +419,7 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
             run.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
         if export_due:
             with run.timeline.phase("export"):
-                accepted = export(run, lm, acceptance)
+                accepted = finish_export(run, pending, acceptance)
         del lm
     finally:
         if acceptance is not None:
@@ -437,9 +440,10 @@ def finish(run: Run, weights: Callable[[], dict]) -> dict:
     return results
 
 
-def export(run: Run, lm: PreTrainedModel, acceptance: export_lib.AcceptanceProcess | None) -> dict:
-    """The checked export of the final model, against the final held-out loss (measured here when the loop did
-    not, e.g. a finished run re-run, or on seeded random blocks for runs without a held-out split)."""
+def start_export(run: Run, lm: PreTrainedModel, acceptance: export_lib.AcceptanceProcess | None) -> dict | None:
+    """Writes the export of the final model and starts its check (`export.start_export`) against the final
+    held-out loss (measured here when the loop did not, e.g. a finished run re-run, or on seeded random blocks
+    for runs without a held-out split)."""
     cfg = run.cfg
     heldout, kind = run.dataset.validation, "validation"
     if heldout is None:
@@ -449,8 +453,13 @@ def export(run: Run, lm: PreTrainedModel, acceptance: export_lib.AcceptanceProce
         run.final_eval = evaluate(run.model, heldout, cfg, run.rank, run.world, run.device)
     reference = {"eval_loss": run.final_eval, "step": cfg.train.max_steps, "world_size": run.world, "heldout": kind}
     batches = heldout_batches(len(heldout), run.world, cfg.train.micro_batch_size, cfg.eval.max_batches)
-    accepted = export_lib.export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches, acceptance)
-    run.log({"kind": "export", "step": cfg.train.max_steps, "dir": accepted["export_dir"],
+    return export_lib.start_export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches, acceptance)
+
+
+def finish_export(run: Run, pending: dict | None, acceptance: export_lib.AcceptanceProcess | None) -> dict:
+    """The verdict on the export `start_export` began (collective), logged."""
+    accepted = export_lib.finish_export(pending, acceptance)
+    run.log({"kind": "export", "step": run.cfg.train.max_steps, "dir": accepted["export_dir"],
              "eval_loss": accepted["eval_loss"], "reference_eval_loss": run.final_eval,
              "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"],
              "timings": accepted["timings"]})

@@ -306,13 +306,15 @@ def test_acceptance_process_started_ahead_checks_what_it_is_sent(reference, tmp_
     shutil.copytree(f"{reference}/export", copy)
     os.remove(copy / "acceptance.json")
     process = X.AcceptanceProcess()
-    assert process.check(str(copy)).startswith("acceptance process exited 0")
+    process.send(str(copy))  # returns at once: the check runs while the caller goes on
+    assert process.wait().startswith("acceptance process exited 0")
     process.close()
     result = json.load(open(copy / "acceptance.json"))
     assert result["ok"] and set(result["timings"]) == {"load_s", "heldout_s", "generate_s"}
 
     crashing = X.AcceptanceProcess()
-    assert "No such file or directory" in crashing.check(str(tmp_path / "missing"))
+    crashing.send(str(tmp_path / "missing"))
+    assert "No such file or directory" in crashing.wait()
     crashing.close()
 
     unused = X.AcceptanceProcess()
