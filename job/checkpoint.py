@@ -113,7 +113,11 @@ def write_checksums(uri: str, rank: int) -> None:
     if rank == 0:
         names.append(".metadata")
     names.append(f"rng/rank{rank:05d}.pt")
-    files = {name: storage.digest(storage.join(uri, name)) for name in names}
+    digests = storage.digest_all([storage.join(uri, name) for name in names])
+    missing = [name for name in names if digests[storage.join(uri, name)] is None]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {uri}: {', '.join(missing)} missing right after the write")
+    files = {name: digests[storage.join(uri, name)] for name in names}
     storage.write_atomic(storage.join(uri, CHECKSUMS, f"rank{rank:05d}.json"),
                          json.dumps({"rank": rank, "files": files}, indent=1))
 
@@ -135,13 +139,12 @@ def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
             problems.append(f"{CHECKSUMS}/rank{writer:05d}.json (written by rank {writer}): cannot be read "
                             f"({type(e).__name__}: {e})")
             continue
+        found_all = storage.digest_all([storage.join(uri, name) for name in files])
         for name, expected in files.items():
-            try:
-                found = storage.digest(storage.join(uri, name))
-            except FileNotFoundError:
+            found = found_all[storage.join(uri, name)]
+            if found is None:
                 problems.append(f"{name} (written by rank {writer}): missing")
-                continue
-            if found != expected:
+            elif found != expected:
                 problems.append(f"{name} (written by rank {writer}): content differs from its checksum "
                                 f"({found['bytes']} bytes, sha256 {found['sha256'][:12]}…; saved "
                                 f"{expected['bytes']} bytes, sha256 {expected['sha256'][:12]}…)")

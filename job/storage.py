@@ -80,6 +80,21 @@ def digest(uri: str) -> dict:
     return {"sha256": h.hexdigest(), "bytes": size}
 
 
+def digest_all(uris: list[str]) -> dict[str, dict | None]:
+    """`digest` of each file (None: missing), in parallel threads: a checkpoint rank's shards are a few files of
+    gigabytes each, and hashing them one after the other was most of a save's background time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(uri: str) -> dict | None:
+        try:
+            return digest(uri)
+        except FileNotFoundError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(uris)))) as pool:
+        return dict(zip(uris, pool.map(one, uris)))
+
+
 def json_sha256(value) -> str:
     """sha256 of a JSON-serialisable value in canonical form (sorted keys): a key for what the value describes."""
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
