@@ -279,13 +279,15 @@ def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items
     mine = items[rank::world]
     bs = eval_cfg.task_batch_size
     correct = 0
-    shown = []
+    shown, lengths, decode_steps = [], [], 0
     for start in range(0, len(mine), bs):
         batch = mine[start : start + bs]
         prompts = tokenizer([x["prompt"] for x in batch], add_special_tokens=False)["input_ids"]
         ids, mask = left_pad(prompts, pad_id(tokenizer))
         out = greedy_generate(lm, ids.to(device), mask.to(device), eval_cfg.task_max_new_tokens,
                               tokenizer.eos_token_id, pad_id(tokenizer))
+        decode_steps += out.shape[1] - ids.shape[1]
+        lengths += generated_lengths(out[:, ids.shape[1]:], tokenizer.eos_token_id)
         for row, x in zip(out, batch):
             got = decode_continuation(tokenizer, row, ids.shape[1])
             expected, ok = score(eval_cfg.task, got, x["reference"])
@@ -296,4 +298,23 @@ def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items
     dist.all_reduce(totals)
     n = int(totals[1].item())
     return {"kind": "task_eval", "step": step, "task": eval_cfg.task, "exact_match": totals[0].item() / max(n, 1),
-            "n": n, "examples": shown}
+            "n": n, "examples": shown, "decode_steps": decode_steps, "new_tokens": length_quantiles(lengths)}
+
+
+def generated_lengths(new: torch.Tensor, eos_token_id: int | None) -> list[int]:
+    """Tokens each row generated up to and including its first EOS (all of them without one)."""
+    if eos_token_id is None:
+        return [new.shape[1]] * new.shape[0]
+    ended = (new == eos_token_id).int()
+    first = ended.argmax(dim=1) + 1
+    return torch.where(ended.any(dim=1), first, new.shape[1]).tolist()
+
+
+def length_quantiles(lengths: list[int]) -> dict:
+    """Median, 90th and 99th percentile and longest of this rank's generation lengths: how much of a batch's
+    decoding only its longest rows needed."""
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}

@@ -42,7 +42,8 @@ def main(log_path: str, run_dir: str) -> int:
         print(f"held-out loss: step {evals[0]['step']} {evals[0]['eval_loss']:.4f} -> step {evals[-1]['step']} "
               f"{evals[-1]['eval_loss']:.4f} (x{evals[-1]['eval_loss'] / evals[0]['eval_loss']:.2f})")
     for t in tasks:
-        print(f"exact match at step {t['step']}: {t['exact_match']:.4f} on {t['n']} ({t.get('seconds', 0):.1f} s)")
+        print(f"exact match at step {t['step']}: {t['exact_match']:.4f} on {t['n']} ({t.get('seconds', 0):.1f} s, "
+              f"{t.get('decode_steps')} decode steps, new tokens {t.get('new_tokens')})")
     by_step = defaultdict(list)
     for r in log:
         if r.get("kind") == "train":

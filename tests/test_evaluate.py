@@ -292,3 +292,12 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
         assert loss == pytest.approx((total / n).item(), rel=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def test_generated_lengths_count_up_to_the_first_eos_and_quantiles_name_the_tail():
+    eos = 2
+    new = torch.tensor([[5, 2, 0, 0], [5, 5, 5, 2], [5, 5, 5, 5], [2, 2, 0, 0]])
+    assert E.generated_lengths(new, eos) == [2, 4, 4, 1]
+    assert E.generated_lengths(new, None) == [4, 4, 4, 4]
+    assert E.length_quantiles(list(range(1, 101))) == {"p50": 51, "p90": 91, "p99": 100, "max": 100}
+    assert E.length_quantiles([]) == {}
