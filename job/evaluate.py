@@ -95,9 +95,10 @@ def evaluate(model: CausalLMWithLoss, blocks: data_lib.Blocks, cfg: RunConfig, r
             b = blocks.select(torch.tensor(index))
             labels = b.labels.clone()
             labels[~torch.tensor(real)] = data_lib.IGNORE_INDEX  # weight-0 repeats
-            loss_sum, n = model(input_ids=b.input_ids.to(device), labels=labels.to(device),
-                                position_ids=b.position_ids.to(device))
-            totals += torch.stack([loss_sum.detach().float(), n.float()])
+            # Detached at once and never named: a batch's autograd graph (its activations) is gone before the next.
+            totals += torch.stack([t.detach().float() for t in model(input_ids=b.input_ids.to(device),
+                                                                     labels=labels.to(device),
+                                                                     position_ids=b.position_ids.to(device))])
     model.train()
     dist.all_reduce(totals)
     return (totals[0] / totals[1].clamp(min=1)).item()

@@ -262,6 +262,7 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
     of its own), and equals the loss of a plain no-grad eval-mode forward; a model with dropout is evaluated
     in eval mode instead, which takes a graph of its own."""
     import functools
+    import weakref
 
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -283,7 +284,11 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
         first = blocks.select(torch.arange(2))
         model(input_ids=first.input_ids, labels=first.labels, position_ids=first.position_ids)[0].backward()
         graphs = counters["stats"]["unique_graphs"]
+        outputs, alive = [], []  # each forward's loss; how many earlier ones are still alive as the next begins
+        model.register_forward_pre_hook(lambda *_: alive.append(sum(ref() is not None for ref in outputs)))
+        model.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out[0])))
         loss = E.evaluate(model, blocks, cfg, 0, 1, torch.device("cpu"))
+        assert alive == [0, 0, 0]  # 3 micro-batches, and no batch's graph (activations) outlives it
         assert (counters["stats"]["unique_graphs"] == graphs) == (dropout == 0.0)
         assert model.training and all(p.grad is not None for p in model.parameters())  # left as training found it
         model.eval()
