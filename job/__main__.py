@@ -96,7 +96,7 @@ def _accept(argv: list[str]) -> int:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("export_dir", nargs="?", help="local export directory holding reference.json")
     where.add_argument("--wait", action="store_true",
-                       help="prepare (imports, device), then read the export directory from standard input")
+                       help="prepare (imports), then read the export directory from standard input")
     args = parser.parse_args(argv)
     from .export import accept, prepare_acceptance
 

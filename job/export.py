@@ -12,8 +12,8 @@ trained one did. The acceptance check runs in a new interpreter (`python -m job 
 the training process (FSDP, hooks, in-memory weights) can leak into it. It reads the held-out blocks from the
 export instead of rebuilding the dataset, and checks that the tokenizer reloads with the same vocabulary.
 
-That interpreter is started (`AcceptanceProcess`) as the run's last phase begins, so its start, imports and
-CUDA initialization (seconds) overlap with gathering and writing the model; it is given the export directory,
+That interpreter is started (`AcceptanceProcess`) before training, so its start and imports (~20 s) are done
+long before the export is written, and it waits without touching the GPU; it is given the export directory,
 and reads it, once every file is written (`start_export`), and checks it while the training process runs the
 final task evaluation; `finish_export` collects the verdict.
 """
@@ -54,7 +54,7 @@ class ExportError(RuntimeError):
 
 class AcceptanceProcess:
     """The fresh interpreter of the acceptance check (`python -m job accept --wait`), started ahead of the export:
-    it imports what it needs and initializes the device, then waits for `check` to send it the export directory."""
+    it imports what it needs, then waits for `send` to give it the export directory."""
 
     def __init__(self):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -202,15 +202,13 @@ def export_is_valid(run_dir: str, step: int) -> bool:
 
 
 def prepare_acceptance() -> None:
-    """What `accept` needs before it has an export to read: its imports and the device's initialization."""
+    """What `accept` needs before it has an export to read: its imports (~20 s on the H200 machine). The device
+    is initialized only once an export arrives, so the waiting process holds no GPU memory while training runs."""
     import safetensors.torch  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
     from . import evaluate, model  # noqa: F401
-
-    if torch.cuda.is_available():
-        torch.zeros(1, device="cuda")
 
 
 def accept(export_dir: str) -> dict:

@@ -147,11 +147,20 @@ def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, recor
         timeline: Timeline) -> dict:
     """Builds, trains and finishes the run; returns results for the run record (rank 0's are used)."""
     run, weights = build(loop_config, launcher, device, record, timeline)
+    # The export's checking process starts now: its imports (~20 s) are long done when the export is written.
+    acceptance = export_lib.start_acceptance() if export_due(run) else None
     try:
         train(run)
-        return finish(run, weights)
+        return finish(run, weights, acceptance)
     finally:
+        if acceptance is not None:
+            acceptance.close()
         run.checkpointer.close()
+
+
+def export_due(run: Run) -> bool:
+    """Whether this run ends with an export (not when a finished run is re-run and its export is accepted)."""
+    return run.cfg.checkpoint.export and not export_lib.export_is_valid(run.run_dir, run.cfg.train.max_steps)
 
 
 def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
@@ -394,36 +403,32 @@ def complete_checkpoint(run: Run) -> None:
                  "blocking_s": run.timeline.checkpoint_blocking_s[-1]})
 
 
-def finish(run: Run, weights: Callable[[], dict]) -> dict:
+def finish(run: Run, weights: Callable[[], dict], acceptance: export_lib.AcceptanceProcess | None) -> dict:
     """After the last step, on one unsharded copy of the model: the export, written first and checked in its own
-    process while the final task evaluation and the sample run here, all while the last checkpoint's write
-    goes on; that checkpoint is completed last, before the job reports success, also when the export fails.
-    Returns the results for the run record."""
+    process (`acceptance`, rank 0's) while the final task evaluation and the sample run here, all while the last
+    checkpoint's write goes on; that checkpoint is completed last, before the job reports success, also when the
+    export fails. Returns the results for the run record."""
     cfg = run.cfg
-    accepted = acceptance = None
+    accepted = None
     try:
-        export_due = cfg.checkpoint.export and not export_lib.export_is_valid(run.run_dir, cfg.train.max_steps)
+        exporting = export_due(run)
         task_due = cfg.eval.task and run.start_step < cfg.train.max_steps  # a re-run of a finished run has it
-        if export_due:  # it gets ready while the model is gathered and written
-            acceptance = export_lib.start_acceptance()
         lm = pending = None
-        if task_due or export_due or cfg.eval.sample_prompt is not None:
+        if task_due or exporting or cfg.eval.sample_prompt is not None:
             with run.timeline.phase("export"):
                 lm = unsharded_copy(run)
-                if export_due:  # written now and checked in the acceptance process while the task evaluation runs
+                if exporting:  # written now and checked in the acceptance process while the task evaluation runs
                     pending = start_export(run, lm, acceptance)
         if task_due:
             run_task_eval(run, cfg.train.max_steps, lm)
         if cfg.eval.sample_prompt is not None:
             text = generate_sample(lm, run.tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, run.device)
             run.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
-        if export_due:
+        if exporting:
             with run.timeline.phase("export"):
                 accepted = finish_export(run, pending, acceptance)
         del lm
     finally:
-        if acceptance is not None:
-            acceptance.close()
         with run.timeline.phase("checkpoint"):
             complete_checkpoint(run)
     time_summary = run.timeline.summary()
