@@ -632,7 +632,21 @@ def _failed_save(uri: str, error: BaseException) -> CheckpointError:
             removed = "; the partial checkpoint was removed"
         except Exception as cleanup:
             removed = f"; removing the partial checkpoint failed too ({type(cleanup).__name__}: {cleanup})"
-    return CheckpointError(f"checkpoint {uri}: save failed ({_failure_causes(error)}){removed}")
+    return CheckpointError(f"checkpoint {uri}: save failed ({_failure_causes(error)}){removed}{_free_space(uri)}")
+
+
+def _free_space(uri: str) -> str:
+    """How much room local storage had when a save failed: a full disk often surfaces from the writer as another
+    error (`RuntimeError: [enforce fail at inline_container.cc] unexpected pos`), its OSError lost on the way."""
+    if storage.is_remote(uri):
+        return ""
+    path = storage.local_path(uri)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return f"; {path} has {shutil.disk_usage(path).free / 1e9:.1f} GB free"
+    except OSError:
+        return ""
 
 
 def _torch_bytes(obj) -> bytes:

@@ -8,6 +8,7 @@ be recomputed.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -478,9 +479,10 @@ def test_failed_save_names_the_cause_and_removes_the_partial_checkpoint(tmp_path
     monkeypatch.setattr(checkpoint_lib.storage, "write_atomic", full_disk)
     with pytest.raises(checkpoint_lib.CheckpointError) as info:
         _save(8, model, optimizer, cfg, run_dir, identity)
-    assert str(info.value) == (
+    assert re.fullmatch(re.escape(
         f"checkpoint {run_dir}/checkpoint_00000008: save failed (OSError: [Errno 28] No space left on device: "
-        f"'{run_dir}/checkpoint_00000008/rng/rank00000.pt'); the partial checkpoint was removed")
+        f"'{run_dir}/checkpoint_00000008/rng/rank00000.pt'); the partial checkpoint was removed; {run_dir} has ")
+        + r"\d+\.\d GB free", str(info.value)), str(info.value)
     assert [s for s, _, _ in checkpoint_lib.list_checkpoints(run_dir)] == [4]
 
 
