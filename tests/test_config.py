@@ -1,5 +1,7 @@
 """Run config: strict loading with dotted-path errors, overrides through the same checks, schema in step."""
 
+from pathlib import Path
+
 import jsonschema
 import pytest
 import yaml
@@ -163,3 +165,11 @@ def test_help_lists_the_commands(capsys):
     out = capsys.readouterr().out
     for command in ("compare RUN_A RUN_B", "report RUN_DIR", "accept EXPORT_DIR", "schema"):
         assert command in out
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_every_example_config_loads_and_validates(example):
+    assert config_lib.load(str(EXAMPLES / example)).name
