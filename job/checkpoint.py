@@ -371,8 +371,7 @@ class Checkpointer:
         self.cfg, self.run_dir, self.device, self.identity = cfg, run_dir, device, identity
         self.group = dist.new_group(backend="gloo")
         self.stager: HostStager | None = None
-        self.writer: dict = {}
-        """`{"writer": "process" | "thread", "reason": ...}`, chosen by `prepare`."""
+        self.writer: dict = {}  # {"writer": "process" | "thread", "reason": ...}, chosen by `prepare`
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
         self.pending = None  # (step, uri, future of the write, returning its seconds)
         self.arch: dict = {}
