@@ -113,11 +113,10 @@ def write_checksums(uri: str, rank: int) -> None:
     if rank == 0:
         names.append(".metadata")
     names.append(f"rng/rank{rank:05d}.pt")
-    digests = storage.digest_all([storage.join(uri, name) for name in names])
-    missing = [name for name in names if digests[storage.join(uri, name)] is None]
+    files = dict(zip(names, storage.digest_all([storage.join(uri, name) for name in names])))
+    missing = [name for name, found in files.items() if found is None]
     if missing:
         raise FileNotFoundError(f"checkpoint {uri}: {', '.join(missing)} missing right after the write")
-    files = {name: digests[storage.join(uri, name)] for name in names}
     storage.write_atomic(storage.join(uri, CHECKSUMS, f"rank{rank:05d}.json"),
                          json.dumps({"rank": rank, "files": files}, indent=1))
 
@@ -140,8 +139,7 @@ def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
                             f"({type(e).__name__}: {e})")
             continue
         found_all = storage.digest_all([storage.join(uri, name) for name in files])
-        for name, expected in files.items():
-            found = found_all[storage.join(uri, name)]
+        for (name, expected), found in zip(files.items(), found_all):
             if found is None:
                 problems.append(f"{name} (written by rank {writer}): missing")
             elif found != expected:

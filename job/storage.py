@@ -80,9 +80,9 @@ def digest(uri: str) -> dict:
     return {"sha256": h.hexdigest(), "bytes": size}
 
 
-def digest_all(uris: list[str]) -> dict[str, dict | None]:
-    """`digest` of each file (None: missing), in parallel threads: a checkpoint rank's shards are a few files of
-    gigabytes each, and hashing them one after the other was most of a save's background time."""
+def digest_all(uris: list[str]) -> list[dict | None]:
+    """`digest` of each file in order (None: missing), in parallel threads: a checkpoint rank's shards are a few
+    files of gigabytes each, and hashing them one after the other was most of a save's background time."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(uri: str) -> dict | None:
@@ -92,7 +92,7 @@ def digest_all(uris: list[str]) -> dict[str, dict | None]:
             return None
 
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(uris)))) as pool:
-        return dict(zip(uris, pool.map(one, uris)))
+        return list(pool.map(one, uris))
 
 
 def json_sha256(value) -> str:

@@ -147,11 +147,12 @@ def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, recor
         timeline: Timeline) -> dict:
     """Builds, trains and finishes the run; returns results for the run record (rank 0's are used)."""
     run, weights = build(loop_config, launcher, device, record, timeline)
+    exporting = export_due(run)
     # The export's checking process starts now: its imports (~20 s) are long done when the export is written.
-    acceptance = export_lib.start_acceptance() if export_due(run) else None
+    acceptance = export_lib.start_acceptance() if exporting else None
     try:
         train(run)
-        return finish(run, weights, acceptance)
+        return finish(run, weights, exporting, acceptance)
     finally:
         if acceptance is not None:
             acceptance.close()
@@ -403,16 +404,16 @@ def complete_checkpoint(run: Run) -> None:
                  "blocking_s": run.timeline.checkpoint_blocking_s[-1]})
 
 
-def finish(run: Run, weights: Callable[[], dict], acceptance: export_lib.AcceptanceProcess | None) -> dict:
-    """After the last step, on one unsharded copy of the model: the export, written first and checked in its own
-    process (`acceptance`, rank 0's) while the final task evaluation and the sample run here, all while the last
-    checkpoint's write goes on; that checkpoint is completed before the export's verdict is collected, or last
-    when there is no export or it fails, and always before the job reports success. Returns the results for the
-    run record."""
+def finish(run: Run, weights: Callable[[], dict], exporting: bool,
+           acceptance: export_lib.AcceptanceProcess | None) -> dict:
+    """After the last step, on one unsharded copy of the model: the export (when `exporting`), written first and
+    checked in its own process (`acceptance`, rank 0's) while the final task evaluation and the sample run here,
+    all while the last checkpoint's write goes on; that checkpoint is completed before the export's verdict is
+    collected, or last when there is no export or it fails, and always before the job reports success. Returns
+    the results for the run record."""
     cfg = run.cfg
     accepted = None
     try:
-        exporting = export_due(run)
         task_due = cfg.eval.task and run.start_step < cfg.train.max_steps  # a re-run of a finished run has it
         lm = pending = None
         if task_due or exporting or cfg.eval.sample_prompt is not None:
