@@ -299,7 +299,7 @@ class EvalConfig:
     """(question, expected, got) examples included in each `task_eval` metrics record."""
     sample_prompt: Optional[str] = None
     """Greedy-generate a short continuation of this prompt after training, as a sanity check."""
-    sample_tokens: int = 48
+    sample_tokens: int = constrained(48, minimum=1)
     """Tokens to generate for `sample_prompt`."""
 
 

@@ -5,8 +5,9 @@ same order: each gets the same number of micro-batches, ranks with fewer blocks 
 repeats, so the result is exact and no rank waits on a collective that another never starts.
 
 Generation (task evaluation, the sample) runs on an unsharded copy of the model (`model.gathered_copy`) on
-each rank independently: a rank decodes its share of the prompts in large left-padded batches with a KV
-cache and stops a batch as soon as every sequence in it has produced EOS; only the final counts are summed.
+each rank independently: a rank decodes its share of the prompts in large left-padded batches
+(`generate.greedy_generate`: static KV cache, CUDA-graph decode steps) and stops a batch as soon as every
+sequence in it has produced EOS; only the final counts are summed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from . import data as data_lib
 from .data import pad_id
+from .generate import greedy_generate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -170,66 +172,12 @@ def decode_continuation(tokenizer: PreTrainedTokenizerBase, output_row: torch.Te
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
-GROUPED_DECODE = "sdpa_grouped_decode"
-"""The attention implementation generation runs with: SDPA, with decode steps on grouped key/value heads as is."""
-
-
-def sdpa_grouped_decode(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """SDPA whose one-token decode steps attend each key/value head's group of query heads to that head directly.
-
-    Transformers' SDPA path (before 5.24) repeats every key/value head for each query head of its group when an
-    attention mask is given (left-padded batches always have one): with a static cache that rewrites and rereads
-    the whole cache `num_key_value_groups` times per layer per step — for Qwen2.5-1.5B (12 query heads on 2) at a
-    batch of 1,319 about 0.3 TB per decode step, most of the task evaluation's time. Here a decode step's query
-    heads become the queries of their key/value head instead (head `h` belongs to key/value head `h // groups`,
-    as in `repeat_kv`), which is the same attention. Prefill and training keep the stock function.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    if query.shape[2] != 1 or groups == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    batch, heads, _, dim = query.shape
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(batch, 1, heads, dim), None
-
-
-def use_grouped_decode(lm: PreTrainedModel) -> None:
-    """Switches the plain `lm` from SDPA to `sdpa_grouped_decode` (registered with Transformers on first use)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if getattr(getattr(lm, "config", None), "_attn_implementation", None) != "sdpa":
-        return
-    AttentionInterface.register(GROUPED_DECODE, sdpa_grouped_decode)
-    AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
-    lm.set_attn_implementation(GROUPED_DECODE)
-
-
-@torch.no_grad()
-def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                    eos_token_id: int | None, pad_token_id: int, cache: str = "static") -> torch.Tensor:
-    """Greedy decoding with a KV cache on a plain (unsharded) causal LM: prompt and continuation ids.
-
-    With `eos_token_id`, the batch stops once every row has produced it (rows that ended are padded); without,
-    it runs exactly `max_new_tokens` steps. Up to each row's first EOS the two are token for token the same.
-    The cache is static (allocated once for prompt + new tokens, written in place): the default dynamic cache
-    concatenates every layer's keys and values at every step, which at a batch of hundreds copies terabytes.
-    Decode steps use `sdpa_grouped_decode`.
-    """
-    use_grouped_decode(lm)
-    return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                       do_sample=False, temperature=None, top_p=None, top_k=None, cache_implementation=cache,
-                       disable_compile=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-
-
 def generate_sample(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, n_tokens: int,
                     device: torch.device) -> str:
     """Greedy continuation of `prompt` by the unsharded `lm`."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     out = greedy_generate(lm, ids, torch.ones_like(ids), n_tokens, tokenizer.eos_token_id, pad_id(tokenizer))
-    return decode_continuation(tokenizer, out[0], ids.shape[1])
+    return decode_continuation(tokenizer, out.ids[0], ids.shape[1])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -280,13 +228,14 @@ def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items
     mine = items[rank::world]
     bs = eval_cfg.task_batch_size
     correct = 0
-    shown, lengths, decode_steps = [], [], 0
+    shown, lengths, decode_steps, decode = [], [], 0, None
     for start in range(0, len(mine), bs):
         batch = mine[start : start + bs]
         prompts = tokenizer([x["prompt"] for x in batch], add_special_tokens=False)["input_ids"]
         ids, mask = left_pad(prompts, pad_id(tokenizer))
-        out = greedy_generate(lm, ids.to(device), mask.to(device), eval_cfg.task_max_new_tokens,
-                              tokenizer.eos_token_id, pad_id(tokenizer))
+        generated = greedy_generate(lm, ids.to(device), mask.to(device), eval_cfg.task_max_new_tokens,
+                                    tokenizer.eos_token_id, pad_id(tokenizer))
+        out, decode = generated.ids, generated.decode
         decode_steps += out.shape[1] - ids.shape[1]
         lengths += generated_lengths(out[:, ids.shape[1]:], tokenizer.eos_token_id)
         for row, x in zip(out, batch):
@@ -299,7 +248,8 @@ def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items
     dist.all_reduce(totals)
     n = int(totals[1].item())
     return {"kind": "task_eval", "step": step, "task": eval_cfg.task, "exact_match": totals[0].item() / max(n, 1),
-            "n": n, "examples": shown, "decode_steps": decode_steps, "new_tokens": length_quantiles(lengths)}
+            "n": n, "examples": shown, "decode_steps": decode_steps, "new_tokens": length_quantiles(lengths),
+            "decode": decode}
 
 
 def generated_lengths(new: torch.Tensor, eos_token_id: int | None) -> list[int]:

@@ -219,7 +219,7 @@ def accept(export_dir: str) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .evaluate import greedy_generate
+    from .generate import greedy_generate
     from .model import CausalLMWithLoss
 
     clock = time.perf_counter()
@@ -264,7 +264,7 @@ def accept(export_dir: str) -> dict:
             else:
                 prompt = blocks["input_ids"][:1, :8]
             out = greedy_generate(lm, prompt.to(device), torch.ones_like(prompt).to(device), cfg.eval.sample_tokens,
-                                  eos_token_id=None, pad_token_id=0)
+                                  eos_token_id=None, pad_token_id=0).ids
             lap("generate_s")
         new = out[0, prompt.shape[1]:].tolist()
         diff = abs(loss - ref["eval_loss"])

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job import config as config_lib  # noqa: E402
-from job.evaluate import greedy_generate  # noqa: E402
+from job.generate import greedy_generate  # noqa: E402
 from job.model import CausalLMWithLoss, build_causal_lm  # noqa: E402
 
 

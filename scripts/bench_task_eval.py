@@ -2,14 +2,15 @@
 """Task-evaluation speed: the run's held-out task items decoded greedily by the unsharded model exactly as
 `evaluate.task_evaluate` runs them at the start and the end of a fine-tune, once per decode path, one table.
 
-    python scripts/bench_task_eval.py --config run.yaml [--set KEY=VALUE ...] [--paths stock,grouped]
+    python scripts/bench_task_eval.py --config run.yaml [--set KEY=VALUE ...] [--paths generate,graph]
         [--limit N] [--profile-steps K] [--out DIR]
 
 `--config` is a run config with a pretrained `model.path` and a task (`eval.task`), e.g. the ConfigMap of
-`values/gsm8k.yaml` as rendered (scripts/device-finetune.sh writes it to /tmp/run.yaml). Decode paths:
-`stock` is Transformers' SDPA (before 5.24 it repeats every key/value head per query head when a mask is
-given), `grouped` is `evaluate.sdpa_grouped_decode`. Columns: seconds, exact match, items, and how many
-generations differ from the first path's. `--profile-steps K` then profiles K decode steps of the full batch
+`values/gsm8k.yaml` as rendered (scripts/device-finetune.sh writes it to /tmp/run.yaml). Decode paths
+(`DECODE_PATHS`): `stock` is Transformers' `generate` on its SDPA (before 5.24 it repeats every key/value head
+per query head when a mask is given), `generate` the same with `generate.sdpa_grouped_decode`, `eager` and
+`graph` job/generate.py's loop without and with CUDA graphs. Columns: seconds, exact match, items, decode
+steps, and how many generations differ from the first path's. `--profile-steps K` then profiles K decode steps of the full batch
 and prints the kernels that take the time, and the prefill and per-step time.
 """
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job import config as config_lib  # noqa: E402
 from job import data as data_lib  # noqa: E402
-from job import evaluate  # noqa: E402
+from job import evaluate, generate  # noqa: E402
 from job.model import load_tokenizer  # noqa: E402
 
 
@@ -44,11 +45,29 @@ def synchronized_seconds(fn, device) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def transformers_generate(grouped: bool):
+    """Transformers' `generate` with a static cache, as task evaluation ran before job/generate.py's loop."""
+    def run(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
+        if grouped:
+            generate.use_grouped_decode(lm)
+        ids = generate.hf_generate(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+        return generate.Generated(ids, "generate")
+    return run
+
+
+DECODE_PATHS = {
+    "stock": transformers_generate(grouped=False),  # Transformers' SDPA (before 5.24: key/value heads repeated)
+    "generate": transformers_generate(grouped=True),  # with `sdpa_grouped_decode` (runs 15-18)
+    "eager": lambda *args: generate.greedy_generate(*args, cuda_graph=False),  # job/generate.py, no CUDA graph
+    "graph": generate.greedy_generate,  # job/generate.py as task evaluation runs it
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--paths", default="stock,grouped", help="decode paths, in order: stock, grouped")
+    parser.add_argument("--paths", default="generate,graph", help=f"decode paths, in order: {', '.join(DECODE_PATHS)}")
     parser.add_argument("--limit", type=int, default=0, help="first N task items only (0: as the config says)")
     parser.add_argument("--profile-steps", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT"))
@@ -74,23 +93,23 @@ def main() -> int:
     warm_up = dataclasses.replace(eval_cfg, task_max_new_tokens=2)  # kernels' first-call costs out of the first row
     evaluate.task_evaluate(lm, tokenizer, items[:8], warm_up, 0, 1, device, step=0)
     rows, first = [], None
-    switch_to_grouped = evaluate.use_grouped_decode
     for path in args.paths.split(","):
-        # `greedy_generate` switches the model to the grouped path; `stock` keeps it on Transformers' SDPA.
-        evaluate.use_grouped_decode = switch_to_grouped if path == "grouped" else (lambda lm: None)
         lm.set_attn_implementation("sdpa")
+        evaluate.greedy_generate = DECODE_PATHS[path]
         seconds, result = synchronized_seconds(
             lambda: evaluate.task_evaluate(lm, tokenizer, items, eval_cfg, 0, 1, device, step=0), device)
         generations = [x["got"] for x in result["examples"]]
         first = first or generations
         rows.append({"path": path, "seconds": seconds, "exact_match": result["exact_match"], "n": result["n"],
+                     "decode_steps": result["decode_steps"], "decode": result["decode"],
                      "differ_from_first": sum(a != b for a, b in zip(generations, first))})
         print(json.dumps(rows[-1]), flush=True)
-    evaluate.use_grouped_decode = switch_to_grouped
+    evaluate.greedy_generate = generate.greedy_generate
 
-    print(f"\n{'path':<10}{'seconds':>9}{'exact match':>13}{'items':>7}{'differ':>8}")
+    print(f"\n{'path':<10}{'seconds':>9}{'exact match':>13}{'items':>7}{'steps':>7}{'differ':>8}  decode")
     for r in rows:
-        print(f"{r['path']:<10}{r['seconds']:>9.1f}{r['exact_match']:>13.4f}{r['n']:>7}{r['differ_from_first']:>8}")
+        print(f"{r['path']:<10}{r['seconds']:>9.1f}{r['exact_match']:>13.4f}{r['n']:>7}{r['decode_steps']:>7}"
+              f"{r['differ_from_first']:>8}  {r['decode']}")
 
     if args.profile_steps:
         rows.append(profile(lm, tokenizer, items, eval_cfg, device, args.profile_steps))
@@ -101,23 +120,23 @@ def main() -> int:
 
 
 def profile(lm, tokenizer, items, eval_cfg, device, steps: int) -> dict:
-    """Prefill and per-step time of the full batch on the grouped path, and the top kernels of `steps` steps."""
+    """Prefill and per-step time of the full batch as task evaluation decodes, and the top kernels of `steps` steps."""
     prompts = tokenizer([x["prompt"] for x in items[: eval_cfg.task_batch_size]], add_special_tokens=False)["input_ids"]
     ids, mask = evaluate.left_pad(prompts, evaluate.pad_id(tokenizer))
     ids, mask = ids.to(device), mask.to(device)
 
-    def generate(n):
-        return evaluate.greedy_generate(lm, ids, mask, n, eos_token_id=None, pad_token_id=evaluate.pad_id(tokenizer))
+    def decode(n):
+        return generate.greedy_generate(lm, ids, mask, n, eos_token_id=None, pad_token_id=evaluate.pad_id(tokenizer))
 
-    prefill, _ = synchronized_seconds(lambda: generate(1), device)
-    total, _ = synchronized_seconds(lambda: generate(1 + steps), device)
+    prefill, _ = synchronized_seconds(lambda: decode(1), device)
+    total, _ = synchronized_seconds(lambda: decode(1 + steps), device)
     per_step = (total - prefill) / steps
     print(f"\nbatch {ids.shape[0]} x prompt width {ids.shape[1]}: prefill {prefill:.2f} s, "
           f"decode step {1000 * per_step:.1f} ms")
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
-        generate(1 + steps)
+        decode(1 + steps)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
     return {"profile": {"batch": ids.shape[0], "prompt_width": ids.shape[1], "prefill_s": prefill,

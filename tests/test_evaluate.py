@@ -84,102 +84,21 @@ def test_left_pad():
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
-def _tiny_lm(vocab: int, seed: int = 0):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                         tie_word_embeddings=True, initializer_range=0.5)  # wide init: varied greedy tokens
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def test_stopping_at_eos_generates_what_full_length_generation_cut_at_eos_does():
-    """The fast path (static cache, stop a batch once every row has produced EOS) against the previous one
-    (dynamic cache, always `max_new_tokens`, cut at EOS afterwards): the same continuation, token for token."""
-    from job import data as D
-
-    tok = D.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: 7"] * 20, 300)
-    lm = _tiny_lm(len(tok))
-    prompts = tok([f"Question: {i} + {i}?\nAnswer: " for i in range(6)], add_special_tokens=False)["input_ids"]
-    ids, mask = E.left_pad(prompts, E.pad_id(tok))
-    width = ids.shape[1]
-    full = E.greedy_generate(lm, ids, mask, 40, eos_token_id=None, pad_token_id=E.pad_id(tok), cache="dynamic")
-    # As EOS, a generated token that rows reach at different steps (or never), so the early stop is exercised.
-    new = [row[width:].tolist() for row in full]
-    first = {t: tuple(r.index(t) if t in r else None for r in new) for t in {t for r in new for t in r}}
-    eos = next(t for t, at in sorted(first.items()) if len(set(at)) > 1 and any(a not in (None, 0) for a in at))
-    fast = E.greedy_generate(lm, ids, mask, 40, eos_token_id=eos, pad_token_id=E.pad_id(tok))
-
-    def cut(row):
-        new = row[width:].tolist()
-        return new[: new.index(eos)] if eos in new else new
-
-    assert fast.shape[1] <= full.shape[1]
-    assert [cut(r) for r in fast] == [cut(r) for r in full]
-    assert len({len(cut(r)) for r in full}) > 1, "rows should end at different steps"
-
-
-@pytest.mark.image_set
-def test_grouped_decode_attention_is_repeated_key_value_attention_and_generation_uses_it(monkeypatch):
-    """`sdpa_grouped_decode` against attention over explicitly repeated key/value heads (what Transformers' SDPA
-    path computes with a mask), for a left-padded decode step; then a generation through it, token for token the
-    same as the stock SDPA path's, with every decode step going through the grouped branch."""
-    torch.manual_seed(0)
-    batch, kv_heads, groups, length, dim = 3, 2, 3, 9, 8
-    query = torch.randn(batch, kv_heads * groups, 1, dim)
-    key, value = torch.randn(2, batch, kv_heads, length, dim)
-    mask = torch.ones(batch, 1, 1, length, dtype=torch.bool)
-    mask[1, ..., :4] = False  # a left-padded row
-    module = torch.nn.Module()
-    module.num_key_value_groups = groups
-    out, _ = E.sdpa_grouped_decode(module, query, key, value, mask, scaling=0.3)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
-    assert out.shape == (batch, 1, kv_heads * groups, dim)
-    torch.testing.assert_close(out, expected.transpose(1, 2))
-
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-                         num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=True, initializer_range=0.5)
-    ids = torch.randint(3, 300, (4, 10))
-    pad = torch.ones_like(ids)
-    pad[1, :3] = pad[3, :6] = 0
-    stock = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    reference = stock.generate(input_ids=ids, attention_mask=pad, max_new_tokens=12, do_sample=False,
-                               cache_implementation="static", disable_compile=True, pad_token_id=0)
-    grouped_steps = []
-    real = E.sdpa_grouped_decode
-
-    def counting(module, query, *args, **kwargs):
-        grouped_steps.append(query.shape[2] == 1)
-        return real(module, query, *args, **kwargs)
-
-    monkeypatch.setattr(E, "sdpa_grouped_decode", counting)
-    lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    lm.load_state_dict(stock.state_dict())
-    out = E.greedy_generate(lm, ids, pad, 12, eos_token_id=None, pad_token_id=0)
-    assert lm.config._attn_implementation == E.GROUPED_DECODE
-    assert torch.equal(out, reference)
-    assert grouped_steps.count(True) == 11 * config.num_hidden_layers  # every decode step after the prefill
-
-
-class FixedAnswerLM(torch.nn.Module):
-    """Stands in for the unsharded LM: answers '#### 7' for every prompt, records each generate call."""
+class FixedAnswers:
+    """Stands in for `greedy_generate`: answers '#### 7' to every prompt and records each batch's size."""
 
     def __init__(self, tokenizer):
-        super().__init__()
         self.answer = tokenizer("#### 7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         self.calls = []
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, **_):
+    def __call__(self, lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
+        from job.generate import Generated
+
         assert (attention_mask[:, -1] == 1).all()  # left padded
         assert eos_token_id is not None  # stops at EOS
         self.calls.append(input_ids.shape[0])
         new = torch.tensor(self.answer)
-        return torch.cat([input_ids, new.expand(input_ids.shape[0], -1)], 1)
+        return Generated(torch.cat([input_ids, new.expand(input_ids.shape[0], -1)], 1), "eager")
 
 
 def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch):
@@ -192,16 +111,18 @@ def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch)
              for i in range(7)]
     cfg = SimpleNamespace(task="gsm8k", task_max_examples=0, task_batch_size=2, task_max_new_tokens=12, task_log_examples=2)
     monkeypatch.setattr(E.dist, "all_reduce", lambda t: None)  # one rank's view; the sum is checked below
-    records, lms = [], []
+    records, answers = [], []
     for rank in range(2):
-        lms.append(FixedAnswerLM(tok))
-        records.append(E.task_evaluate(lms[-1], tok, items, cfg, rank, 2, torch.device("cpu"), step=5))
-    assert lms[0].calls == [2, 2] and lms[1].calls == [2, 1]  # items 0,2,4,6 and 1,3,5: no padding slots
+        answers.append(FixedAnswers(tok))
+        monkeypatch.setattr(E, "greedy_generate", answers[-1])
+        records.append(E.task_evaluate(None, tok, items, cfg, rank, 2, torch.device("cpu"), step=5))
+    assert answers[0].calls == [2, 2] and answers[1].calls == [2, 1]  # items 0,2,4,6 and 1,3,5: no padding slots
     assert records[0]["n"] + records[1]["n"] == 7
     correct = sum(r["exact_match"] * r["n"] for r in records)
     assert correct == 3  # items 1, 3, 5
     assert records[0]["examples"][0] == {"question": "q0", "expected": "8", "got": "#### 7", "correct": False}
     assert records[0]["kind"] == "task_eval" and records[0]["task"] == "gsm8k" and records[0]["step"] == 5
+    assert records[0]["decode"] == "eager"  # how the generation ran, as greedy_generate said
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------------

@@ -1,0 +1,202 @@
+"""Greedy generation on a plain (unsharded) causal LM: for the task evaluation, the sample and the export's check.
+
+`greedy_generate` decodes what Transformers' `generate(do_sample=False, cache_implementation="static")` decodes,
+token for token (tests/test_generate.py, on CPU), without its per-step host work:
+* a static KV cache, allocated once for prompt + new tokens and written in place (the default dynamic cache
+  concatenates every layer's keys and values at every step: terabytes at a batch of hundreds);
+* decode steps whose state lives in device tensors (next token, positions, the attention mask, which rows have
+  ended), so on a GPU one step is captured as a CUDA graph and replayed: `generate` spends ~26 ms of host time
+  per step on Qwen2.5-1.5B and waits for the device at every step to ask whether all rows have ended;
+* that question asked every `CHECK_EVERY` steps instead, the output then cut where `generate` would have stopped;
+* grouped-query attention on the key/value heads as they are (`sdpa_grouped_decode`).
+Models it does not cover (attention other than SDPA, sliding-window layers) go through `generate` itself, and
+`Generated.decode` says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+CHECK_EVERY = 16
+"""Decode steps between two looks at whether every row has ended (each look waits for the device)."""
+
+WARMUP_STEPS = 2
+"""Decode steps run eagerly before the step is captured as a CUDA graph (kernels' first-call setup)."""
+
+GROUPED_DECODE = "sdpa_grouped_decode"
+"""The attention implementation generation runs with: SDPA, with decode steps on grouped key/value heads as is."""
+
+
+@dataclass
+class Generated:
+    ids: torch.Tensor
+    """Prompt and continuation ids, (batch, prompt width + new tokens); rows that ended are padded after EOS."""
+    decode: str
+    """How the decode steps ran: `cuda_graph`, `eager`, or `generate (<why>)` (Transformers' loop)."""
+
+
+def sdpa_grouped_decode(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """SDPA whose one-token decode steps attend each key/value head's group of query heads to that head directly.
+
+    Transformers' SDPA path (before 5.24) repeats every key/value head for each query head of its group when an
+    attention mask is given (left-padded batches always have one): with a static cache that rewrites and rereads
+    the whole cache `num_key_value_groups` times per layer per step — for Qwen2.5-1.5B (12 query heads on 2) at a
+    batch of 1,319 about 0.3 TB per decode step. Here a decode step's query heads become the queries of their
+    key/value head instead (head `h` belongs to key/value head `h // groups`, as in `repeat_kv`), which is the
+    same attention. Prefill and training keep the stock function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    batch, heads, _, dim = query.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, heads // groups, groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, 1, heads, dim), None
+
+
+def use_grouped_decode(lm: PreTrainedModel) -> None:
+    """Switches the plain `lm` from SDPA to `sdpa_grouped_decode` (registered with Transformers on first use)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(getattr(lm, "config", None), "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(GROUPED_DECODE, sdpa_grouped_decode)
+    AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
+    lm.set_attn_implementation(GROUPED_DECODE)
+
+
+@torch.no_grad()
+def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                    eos_token_id: int | None, pad_token_id: int, cuda_graph: bool = True) -> Generated:
+    """Greedy continuation of the left-padded `input_ids` by `lm`, at most `max_new_tokens` new tokens.
+
+    With `eos_token_id`, decoding stops once every row has produced it (the rows that ended padded with
+    `pad_token_id`); without, it runs exactly `max_new_tokens` steps. On CUDA the decode step is replayed as a
+    CUDA graph unless `cuda_graph` is False (or the capture fails: `decode` then says why).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    use_grouped_decode(lm)
+    if (why := unsupported(lm)) is not None:
+        return Generated(hf_generate(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id),
+                         f"generate ({why})")
+    decoder = StaticDecoder(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    decode = decoder.run(cuda_graph and input_ids.device.type == "cuda")
+    return Generated(torch.cat([input_ids, decoder.new_tokens()], dim=1), decode)
+
+
+def hf_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                eos_token_id: int | None, pad_token_id: int) -> torch.Tensor:
+    """Transformers' own greedy loop with a static cache (what `greedy_generate` reproduces)."""
+    return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                       do_sample=False, temperature=None, top_p=None, top_k=None, cache_implementation="static",
+                       disable_compile=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def unsupported(lm: PreTrainedModel) -> str | None:
+    """Why `StaticDecoder` cannot run `lm` (it builds full-attention masks for SDPA itself), or None."""
+    config = lm.config
+    if config._attn_implementation not in ("sdpa", GROUPED_DECODE):
+        return f"attention {config._attn_implementation}"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return "sliding-window layers"
+    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+        return f"{type(lm).__name__}.forward has no logits_to_keep"
+    return None
+
+
+class StaticDecoder:
+    """One batch's greedy decoding: the prefill at construction, then `run` for the decode steps.
+
+    Everything a decode step reads or writes is a device tensor updated in place (`step`), so the step can be
+    captured once as a CUDA graph and replayed. Per step, as Transformers' greedy loop does: the argmax token of
+    every row, the pad token for rows that have ended, a row ending at its first EOS.
+    """
+
+    def __init__(self, lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 max_new_tokens: int, eos_token_id: int | None, pad_token_id: int):
+        from transformers import StaticCache
+
+        batch, width = input_ids.shape
+        device = input_ids.device
+        self.lm, self.eos, self.pad, self.max_new = lm, eos_token_id, pad_token_id, max_new_tokens
+        # `past_key_values` was renamed `cache` in Transformers 5.24 (the old name still works there, with a warning).
+        self.cache_arg = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+        self.cache = StaticCache(config=lm.config, max_cache_len=width + max_new_tokens)
+        # Positions as `generate` makes them: counted over the real tokens, pads at 1.
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions.masked_fill_(attention_mask == 0, 1)
+        first = self.forward(input_ids, attention_mask, positions).argmax(-1)
+
+        self.new = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.new[:, 0] = first
+        self.produced = 1
+        self.token = first.clone()
+        self.ended = first == eos_token_id if eos_token_id is not None else torch.zeros_like(first, dtype=torch.bool)
+        self.position = positions[:, -1:] + 1
+        self.slot = torch.tensor([width], device=device)  # the cache slot the next token is written to
+        self.column = torch.tensor([1], device=device)  # its column in `new`
+        # Which cache slots a row attends to once they are filled: its real prompt tokens and all new tokens.
+        self.attendable = torch.cat([attention_mask.bool(), torch.ones_like(self.new, dtype=torch.bool)], dim=1)
+        self.slots = torch.arange(width + max_new_tokens, device=device)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The last position's logits of `ids` appended to the cache."""
+        out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                      **{self.cache_arg: self.cache})
+        return out.logits[:, -1]
+
+    def step(self) -> None:
+        """One decode step, in place: feed `token`, write the next one to `new`."""
+        mask = (self.attendable & (self.slots <= self.slot))[:, None, None, :]
+        token = self.forward(self.token[:, None], mask, self.position).argmax(-1)
+        if self.eos is not None:
+            token = torch.where(self.ended, self.pad, token)
+            self.ended.logical_or_(token == self.eos)
+        self.new.index_copy_(1, self.column, token[:, None])
+        self.token.copy_(token)
+        self.position.add_(1)
+        self.slot.add_(1)
+        self.column.add_(1)
+
+    def run(self, cuda_graph: bool) -> str:
+        """The decode steps, until every row has ended or `max_new_tokens` are out; returns how they ran."""
+        graph, decode = None, "eager"
+        while self.produced < self.max_new:
+            if self.eos is not None and self.produced % CHECK_EVERY == 0 and bool(self.ended.all()):
+                break
+            if cuda_graph and graph is None and self.produced > WARMUP_STEPS:
+                graph, decode = self.capture()
+                cuda_graph = graph is not None
+            graph.replay() if graph is not None else self.step()
+            self.produced += 1
+        return decode
+
+    def capture(self) -> tuple[torch.cuda.CUDAGraph | None, str]:
+        """`step` captured as a CUDA graph (capturing runs nothing: the state stays as it was), or None and why not."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.step()
+        except Exception as e:  # an operation that cannot be captured; the steps go on eagerly
+            torch.cuda.synchronize()
+            return None, f"eager (CUDA graph capture failed: {type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        return graph, "cuda_graph"
+
+    def new_tokens(self) -> torch.Tensor:
+        """The new tokens, cut where `generate` stops: after the step in which the last row produced EOS."""
+        new = self.new[:, : self.produced]
+        if self.eos is None or not bool(self.ended.all()):
+            return new
+        ended = new == self.eos
+        return new[:, : int(ended.int().argmax(dim=1).max()) + 1]
