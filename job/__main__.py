@@ -15,14 +15,19 @@ A run that is already complete is not started again: it says so and what to do i
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+import time
 
-from . import checkpoint as checkpoint_lib
-from . import config as config_lib
-from . import data as data_lib
-from . import launch, packages
+STARTED_AT = time.time()
+"""When the driver started (before its imports): the start of the run's time accounting (`metrics.Timeline`)."""
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+from . import checkpoint as checkpoint_lib  # noqa: E402
+from . import config as config_lib  # noqa: E402
+from . import data as data_lib  # noqa: E402
+from . import launch, packages  # noqa: E402
 
 
 COMMANDS = """commands:
@@ -60,15 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
         run_dir = launch.run_directory(cfg)
         launch.check_before_start(cfg, run_dir)
+        startup = {"driver": time.time()}  # when each of the driver's startup steps ended (metrics.Timeline)
         if launch.under_torchrun():
-            launch.run_with_torchrun(launch.prepare(cfg, run_dir))
+            launch.run_with_torchrun(launch.prepare(cfg, run_dir, STARTED_AT, startup))
             return 0
         print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
         if (done := launch.finished(cfg, run_dir)) is not None:
             print(done, flush=True)
             return 0
         launch.connect_ray(cfg)
-        loop_config = launch.prepare(cfg, run_dir)
+        startup["ray"] = time.time()
+        loop_config = launch.prepare(cfg, run_dir, STARTED_AT, startup)
     except config_lib.ConfigError as e:
         for message in e.messages:
             print(f"config error: {message}", file=sys.stderr)

@@ -407,7 +407,8 @@ class Checkpointer:
         if not self.cfg.checkpoint.async_save:
             self.finish()
 
-    def _write(self, staged: dict, uri: str, rng: bytes, rank: int) -> float:
+    def _write(self, staged: dict, uri: str, rng: bytes, rank: int) -> tuple[float, float]:
+        """Writes this rank's part of checkpoint `uri`; returns (seconds in all, of them checksumming)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -418,21 +419,23 @@ class Checkpointer:
         else:
             dcp.save(staged, storage_writer=_writer(uri), process_group=self.group)
         storage.write_atomic(storage.join(uri, "rng", f"rank{rank:05d}.pt"), rng)
+        written = time.perf_counter()
         write_checksums(uri, rank)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.perf_counter() - written
 
     def write_done(self) -> bool:
         """Whether this rank has no write in flight (the loop sums it over ranks before calling `finish`)."""
         return self.pending is None or self.pending[2].done()
 
     def finish(self) -> dict | None:
-        """Completes the save in flight, if any (waiting for its writes); returns `{step, uri, write_s}`."""
+        """Completes the save in flight, if any (waiting for its writes); returns `{step, uri, write_s,
+        checksum_s}` (this rank's seconds writing, checksums included, and checksumming)."""
         if self.pending is None:
             return None
         step, uri, future = self.pending
         self.pending = None
         try:
-            write_s = future.result()  # a failed write raises here, on its rank
+            write_s, checksum_s = future.result()  # a failed write raises here, on its rank
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             raise _failed_save(uri, e) from e
         dist.barrier()  # every rank's shards, RNG state and checksums are written
@@ -458,7 +461,7 @@ class Checkpointer:
         dist.barrier()
         if dist.get_rank() == 0:
             _prune(self.run_dir, cfg.checkpoint.keep_last, keep_before=step)
-        return {"step": step, "uri": uri, "write_s": write_s}
+        return {"step": step, "uri": uri, "write_s": write_s, "checksum_s": checksum_s}
 
     def close(self) -> None:
         """Waits for the write in flight, then ends the writer process, if one was started."""

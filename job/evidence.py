@@ -477,7 +477,8 @@ def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_
     def timing(record):
         t = record.get("time") or {}
         return {"goodput": t.get("goodput"), "wall_s": t.get("wall_s"),
-                **{f"time.{k}": v for k, v in (t.get("phases_s") or {}).items()}}
+                **{f"time.{k}": v for k, v in (t.get("phases_s") or {}).items()},
+                **{f"time.startup.{k}": v for k, v in (t.get("startup_s") or {}).items()}}
 
     ma, mb = a.get("metrics") or {}, b.get("metrics") or {}
     results = [(k, ma.get(k), mb.get(k)) for k in _RESULT_KEYS if ma.get(k) != mb.get(k)]

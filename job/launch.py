@@ -125,13 +125,16 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
             "run name or delete the run directory.")
 
 
-def prepare(cfg: config_lib.RunConfig, run_dir: str) -> LoopConfig:
+def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = None,
+            startup: dict[str, float] | None = None) -> LoopConfig:
     """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
 
-    Returns what every worker's loop gets. Raises `CheckpointError` first when `checkpoint.resume` forbids starting
-    (`never` on a run name that has checkpoints, a missing start point).
+    Returns what every worker's loop gets, with `started_at` (when the driver started; now if not given) and
+    `startup` (when each of the driver's startup steps ended, `prepare` added here). Raises `CheckpointError`
+    first when `checkpoint.resume` forbids starting (`never` on a run name that has checkpoints, a missing
+    start point).
     """
-    started_at = time.time()  # the run's time accounting starts here (metrics.Timeline)
+    started_at = time.time() if started_at is None else started_at
     checkpoint_lib.check_before_start(cfg, run_dir)
     if checkpoint_lib.retire_ray_snapshot(run_dir):
         print(f"removed {checkpoint_lib.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
@@ -149,6 +152,7 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str) -> LoopConfig:
         if not storage.is_remote(run_dir):
             tokenizer.save_pretrained(os.path.join(storage.local_path(run_dir), "tokenizer"))
         loop_config.tokenizer_json = tokenizer.backend_tokenizer.to_str()
+    loop_config.startup = {**(startup or {}), "prepare": time.time()}
     return loop_config
 
 

@@ -114,13 +114,24 @@ class Timeline:
     Each phase is timed with the host clock after a device sync at both ends, so work the GPU still has queued
     is charged to the phase that queued it. `started_at` (epoch seconds) is when the driver started, so Ray's
     start and worker scheduling count too. Whatever no phase covers (the record, the logger, clean-up) is `other`.
+
+    `startup` is split by `driver_steps` (when each of the driver's startup steps ended, epoch seconds, in
+    order) into those steps, `workers` (from the driver's last step to this worker's loop: Ray Train starting
+    the worker group, the workers' imports, device and process group) and `preflight` (what the loop times as
+    `startup` itself: the first collectives).
     """
 
-    def __init__(self, started_at: float, device: torch.device):
+    def __init__(self, started_at: float, device: torch.device, driver_steps: dict[str, float] | None = None):
         self.started_at = started_at
         self.device = device
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self.seconds["startup"] = max(0.0, time.time() - started_at)
+        now = time.time()
+        self.seconds["startup"] = max(0.0, now - started_at)
+        self.startup: dict[str, float] = {}
+        previous = started_at
+        for name, ended in (driver_steps or {}).items():
+            self.startup[name], previous = max(0.0, ended - previous), ended
+        self.startup["workers"] = max(0.0, now - previous)
         self.checkpoint_blocking_s: list[float] = []
 
     def sync(self) -> None:
@@ -141,12 +152,14 @@ class Timeline:
         self.seconds[name] += seconds
 
     def summary(self) -> dict:
-        """`{wall_s, phases_s, goodput, checkpoint_blocking_s}`, `phases_s` including `other`."""
+        """`{wall_s, phases_s, goodput, checkpoint_blocking_s, startup_s}`, `phases_s` including `other`."""
         wall = time.time() - self.started_at
         phases = {k: round(v, 3) for k, v in self.seconds.items()}
         phases["other"] = round(max(0.0, wall - sum(self.seconds.values())), 3)
+        startup = {**self.startup, "preflight": max(0.0, self.seconds["startup"] - sum(self.startup.values()))}
         return {"wall_s": round(wall, 3), "phases_s": phases, "goodput": self.seconds["train"] / wall if wall else None,
-                "checkpoint_blocking_s": [round(s, 3) for s in self.checkpoint_blocking_s]}
+                "checkpoint_blocking_s": [round(s, 3) for s in self.checkpoint_blocking_s],
+                "startup_s": {k: round(v, 3) for k, v in startup.items()}}
 
 
 def format_timeline(summary: dict) -> str:
@@ -156,6 +169,8 @@ def format_timeline(summary: dict) -> str:
     for name, seconds in summary["phases_s"].items():
         lines.append(f"{name:<10} {seconds:>9.1f} {seconds / wall:>7.1%}")
     lines.append(f"{'wall':<10} {summary['wall_s']:>9.1f}   goodput {summary['goodput']:.1%}")
+    if summary.get("startup_s"):
+        lines.append("startup: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["startup_s"].items()))
     return "\n".join(lines)
 
 

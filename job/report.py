@@ -191,8 +191,12 @@ def time_table(time: dict | None) -> list[str]:
     lines = ["## Where the time went", "", "| phase | seconds | share |", "|---|---|---|"]
     lines += [f"| {k} | {v:.1f} | {v / wall:.1%} |" for k, v in time["phases_s"].items()]
     blocking = ", ".join(f"{s:.2f}" for s in time.get("checkpoint_blocking_s") or []) or "-"
-    return lines + [f"| **wall** | {time['wall_s']:.1f} | goodput **{_pct(time['goodput'])}** |", "",
-                    f"Training held up per checkpoint save (s): {blocking}.", ""]
+    lines += [f"| **wall** | {time['wall_s']:.1f} | goodput **{_pct(time['goodput'])}** |", "",
+              f"Training held up per checkpoint save (s): {blocking}.", ""]
+    if time.get("startup_s"):
+        steps = ", ".join(f"{k} {v:.1f}" for k, v in time["startup_s"].items())
+        lines += [f"Startup by step (s): {steps}.", ""]
+    return lines
 
 
 def render_markdown(record: dict | None, summary: dict, plots: list[str], notes: list[str],

@@ -53,8 +53,11 @@ class LoopConfig:
     run_dir: str
     """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
     started_at: float
-    """When the driver started preparing the run (epoch seconds): the start of the run's time accounting, so the
-    `startup` phase includes Ray's scheduling and the workers' imports (`metrics.Timeline`)."""
+    """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
+    includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
+    startup: dict[str, float] = field(default_factory=dict)
+    """When each of the driver's startup steps ended (epoch seconds, in order): `driver` (imports, config and
+    storage checks), `ray` (Ray connected or started), `prepare` (data sources checked, run directory ready)."""
     tokenizer_json: str | None = None
     """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
     a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
@@ -74,7 +77,7 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank = dist.get_rank()
-    timeline = Timeline(loop_config.started_at, device)
+    timeline = Timeline(loop_config.started_at, device, loop_config.startup)
 
     full_preflight = cfg.preflight.enabled or cfg.mode == "preflight"
     record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
@@ -298,19 +301,19 @@ def train(run: Run) -> None:
             loss_sum.zero_(), target_sum.zero_()
             interval_tokens, interval_start = 0, time.perf_counter()
 
-        if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps:
-            eval_loss = log_eval(run, step)
-            run.final_eval = eval_loss if step == cfg.train.max_steps else None
-        if cfg.eval.task and cfg.eval.task_every_steps and step % cfg.eval.task_every_steps == 0 \
-                and step != cfg.train.max_steps:  # the final one runs in `finish`, on the export's copy
-            run_task_eval(run, step)
-        if checkpoint_lib.due(step, cfg):
+        if checkpoint_lib.due(step, cfg):  # before the evaluations: the write goes on while they run
             check_finite(step, *finite_probe(loss_sum, grad_norm))
             with run.timeline.phase("checkpoint"):
                 start = time.perf_counter()
                 complete_checkpoint(run)  # the previous save, if still writing: training waits for it
                 run.checkpointer.save(step, run.model, run.optimizer)
                 run.timeline.checkpoint_blocking_s.append(time.perf_counter() - start)
+        if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps:
+            eval_loss = log_eval(run, step)
+            run.final_eval = eval_loss if step == cfg.train.max_steps else None
+        if cfg.eval.task and cfg.eval.task_every_steps and step % cfg.eval.task_every_steps == 0 \
+                and step != cfg.train.max_steps:  # the final one runs in `finish`, on the export's copy
+            run_task_eval(run, step)
     run.timeline.sync()
     loop_s = time.perf_counter() - loop_start
     train_s = loop_s - (sum(run.timeline.seconds[p] for p in ("eval", "checkpoint", "task_eval")) - outside_train)
@@ -401,7 +404,7 @@ def complete_checkpoint(run: Run) -> None:
     if done is not None:
         run.latest_checkpoint = done["uri"]
         run.log({"kind": "checkpoint", "step": done["step"], "dir": done["uri"], "write_s": done["write_s"],
-                 "blocking_s": run.timeline.checkpoint_blocking_s[-1]})
+                 "checksum_s": done["checksum_s"], "blocking_s": run.timeline.checkpoint_blocking_s[-1]})
 
 
 def finish(run: Run, weights: Callable[[], dict], exporting: bool,

@@ -43,7 +43,7 @@ def main(log_path: str, run_dir: str) -> int:
               f"{evals[-1]['eval_loss']:.4f} (x{evals[-1]['eval_loss'] / evals[0]['eval_loss']:.2f})")
     for t in tasks:
         print(f"exact match at step {t['step']}: {t['exact_match']:.4f} on {t['n']} ({t.get('seconds', 0):.1f} s, "
-              f"{t.get('decode_steps')} decode steps, new tokens {t.get('new_tokens')})")
+              f"{t.get('decode_steps')} decode steps ({t.get('decode')}), new tokens {t.get('new_tokens')})")
     by_step = defaultdict(list)
     for r in log:
         if r.get("kind") == "train":
@@ -60,7 +60,8 @@ def main(log_path: str, run_dir: str) -> int:
               + ", ".join(f"{s}: {v}" for s, v in list(twice.items())[:4]))
     for r in rows:
         if r["kind"] == "checkpoint":
-            print(f"checkpoint {r['step']}: training blocked {r['blocking_s']:.2f} s, write {r['write_s']:.1f} s")
+            print(f"checkpoint {r['step']}: training blocked {r['blocking_s']:.2f} s, write {r['write_s']:.1f} s "
+                  f"(checksums {r.get('checksum_s', 0):.1f} s)")
         if r["kind"] == "export":
             timings = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("timings") or {}).items())
             print(f"export: reloaded loss {r['eval_loss']:.5f} vs {r['reference_eval_loss']:.5f} "
@@ -69,6 +70,8 @@ def main(log_path: str, run_dir: str) -> int:
     if t:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in t["phases_s"].items())
         print(f"wall {t['wall_s']:.1f} s, goodput {t['goodput']:.1%}: {phases}")
+        if t.get("startup_s"):
+            print("startup: " + ", ".join(f"{k} {v:.1f}" for k, v in t["startup_s"].items()))
     train = [r for r in rows if r["kind"] == "train"]
     if train:
         steady = train[len(train) // 2:]

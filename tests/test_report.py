@@ -29,7 +29,8 @@ def _fake_run(run_dir: Path, monkeypatch, with_record=True):
     rows.append({"kind": "task_eval", "step": 20, "task": "arithmetic", "exact_match": 0.75, "n": 40,
                  "examples": [{**question, "got": "2 + 2 = 4 | #### 4", "correct": True}]})
     time = {"wall_s": 100.0, "goodput": 0.6, "checkpoint_blocking_s": [0.5, 0.75],
-            "phases_s": {"startup": 20.0, "train": 60.0, "eval": 5.0, "export": 15.0, "other": 0.0}}
+            "phases_s": {"startup": 20.0, "train": 60.0, "eval": 5.0, "export": 15.0, "other": 0.0},
+            "startup_s": {"driver": 4.0, "ray": 5.0, "prepare": 1.0, "workers": 9.0, "preflight": 1.0}}
     rows.append({"kind": "time", "step": 20, **time})
     rows.append({"kind": "sample", "step": 20, "prompt": "hi", "text": "hello"})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -64,6 +65,7 @@ def test_report_writes_markdown_and_pngs(tmp_path, monkeypatch, capsys):
     assert "| exact match | 0.25 | 0.75 |" in text and "| task examples scored | 40 | 40 |" in text
     assert "| Question: 2 + 2? | 4 | ✗ five | ✓ 2 + 2 = 4 \\| #### 4 |" in text
     assert "| train | 60.0 | 60.0% |" in text and "goodput **60.0%**" in text and "(s): 0.50, 0.75." in text
+    assert "Startup by step (s): driver 4.0, ray 5.0, prepare 1.0, workers 9.0, preflight 1.0." in text
     assert "not running in Kubernetes" in text
     plots = ["loss.png", "throughput.png", "mfu.png", "task.png", "time.png"]
     for name in plots:
