@@ -26,7 +26,9 @@ from . import data as data_lib
 from . import export as export_lib
 from . import storage
 from .metrics import progress_style
-from .train import LoopConfig, train_loop
+
+# The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
+# driver only launches it, and those imports took ~5 of its ~10 s on 2 cores.
 
 
 def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
@@ -54,6 +56,26 @@ def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
         if local(value) and os.path.exists(storage.local_path(value)):
             setattr(cfg.model, field, absolute(value))
     return cfg
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """What the driver (`launch.prepare`) hands every worker's `train_loop`. (Ray Train carries it as a plain
+    dict: `launch.ray_loop_config` and `launch.ray_worker_args` convert it, both ways.)"""
+
+    cfg: config_lib.RunConfig
+    """The resolved run config (local paths made absolute: `launch.resolve_paths`)."""
+    run_dir: str
+    """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
+    started_at: float
+    """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
+    includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
+    startup: dict[str, float] = dataclasses.field(default_factory=dict)
+    """When each of the driver's startup steps ended (epoch seconds, in order): `driver` (imports, config and
+    storage checks), `ray` (Ray connected or started), `prepare` (data sources checked, run directory ready)."""
+    tokenizer_json: str | None = None
+    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
+    a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
 
 
 def run_directory(cfg: config_lib.RunConfig) -> str:
@@ -286,6 +308,8 @@ def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:
 
 def ray_train_loop(train_loop_config: dict) -> None:
     """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`."""
+    from .train import train_loop
+
     train_loop(*ray_worker_args(train_loop_config))
 
 
@@ -379,6 +403,8 @@ def resume_hint(run_dir: str) -> str:
 
 
 def run_with_torchrun(loop_config: LoopConfig) -> None:
+    from .train import train_loop
+
     try:
         train_loop(loop_config, TorchrunLauncher())
     finally:

@@ -36,31 +36,11 @@ from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_cop
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from .launch import Launcher
+    from .launch import Launcher, LoopConfig
 
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
 # the transport NCCL chose is in its log, and gathers each worker's environment for the run record.
 RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmup=1)
-
-
-@dataclass
-class LoopConfig:
-    """What the driver (`launch.prepare`) hands every worker's `train_loop`. (Ray Train carries it as a plain
-    dict: `launch.ray_loop_config` and `launch.ray_worker_args` convert it, both ways.)"""
-
-    cfg: config_lib.RunConfig
-    """The resolved run config (local paths made absolute: `launch.resolve_paths`)."""
-    run_dir: str
-    """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
-    started_at: float
-    """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
-    includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
-    startup: dict[str, float] = field(default_factory=dict)
-    """When each of the driver's startup steps ended (epoch seconds, in order): `driver` (imports, config and
-    storage checks), `ray` (Ray connected or started), `prepare` (data sources checked, run directory ready)."""
-    tokenizer_json: str | None = None
-    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
-    a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
 
 
 def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:

@@ -157,6 +157,18 @@ def test_driver_reports_every_problem_before_any_worker(tmp_path, capsys):
     assert lines[3].endswith("train.seq_len: 9000 is beyond the model's max_position_embeddings (4096)")
 
 
+def test_the_driver_does_not_import_the_training_loop():
+    """The driver only launches the loop: the model, FSDP2 and compiler imports are the workers' (they took about
+    half of the driver's startup)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, job.__main__; print(sorted(m for m in ('job.train', 'job.model', 'torch._inductor') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_help_lists_the_commands(capsys):
     from job.__main__ import main
 

@@ -11,7 +11,6 @@ from job import config as config_lib
 from job import launch
 from job import metrics
 from job.metrics import MetricsLogger, Timeline, device_timeline, idle_gap_lines
-from job.train import LoopConfig
 
 
 def test_timeline_splits_startup_by_the_driver_steps_and_counts_goodput_over_the_whole_wall(monkeypatch):
@@ -79,7 +78,7 @@ def test_progress_bar_under_ray_follows_the_drivers_terminal(monkeypatch, settin
     monkeypatch.setattr(sys, "stderr", Stream(driver_tty))
     cfg = config_lib.load_dict({"name": "a", "model": {"init": "random", "preset": "qwen2-tiny"},
                                 "data": {"format": "synthetic"}})
-    loop_config = LoopConfig(cfg, "/runs/a", 1.5, tokenizer_json="{}")
+    loop_config = launch.LoopConfig(cfg, "/runs/a", 1.5, tokenizer_json="{}")
     train_loop_config = launch.ray_loop_config(loop_config)  # in the driver
     monkeypatch.setattr(sys, "stderr", Stream(False))  # in a Ray worker: its stderr is a log file
     received, launcher = launch.ray_worker_args(train_loop_config)
