@@ -29,6 +29,8 @@ from . import config as config_lib  # noqa: E402
 from . import data as data_lib  # noqa: E402
 from . import launch, packages  # noqa: E402
 
+IMPORTED_AT = time.time()
+
 
 COMMANDS = """commands:
   run (default)       train (or only the preflight, per the config's `mode`)
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
         run_dir = launch.run_directory(cfg)
         launch.check_before_start(cfg, run_dir)
-        startup = {"driver": time.time()}  # when each of the driver's startup steps ended (metrics.Timeline)
+        # When each of the driver's startup steps ended (metrics.Timeline).
+        startup = {"imports": IMPORTED_AT, "checks": time.time()}
         if launch.under_torchrun():
             launch.run_with_torchrun(launch.prepare(cfg, run_dir, STARTED_AT, startup))
             return 0

@@ -71,8 +71,9 @@ class LoopConfig:
     """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
     includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
     startup: dict[str, float] = dataclasses.field(default_factory=dict)
-    """When each of the driver's startup steps ended (epoch seconds, in order): `driver` (imports, config and
-    storage checks), `ray` (Ray connected or started), `prepare` (data sources checked, run directory ready)."""
+    """When each of the driver's startup steps ended (epoch seconds, in order): `imports`, `checks` (config,
+    packages, storage and model), `ray` (Ray connected or started), `prepare` (data sources checked, run
+    directory ready)."""
     tokenizer_json: str | None = None
     """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
     a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
@@ -113,7 +114,7 @@ def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
     """Checks the model's config (`model.preset` or `model.path`, with `model.overrides`) against the settings:
     attention heads that divide the hidden size and key/value heads that divide the heads (a model that cannot
     run), and `train.seq_len` within the model's positions."""
-    from .model import hf_config
+    from .architecture import hf_config
 
     try:
         arch = hf_config(cfg.model)

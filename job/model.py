@@ -17,42 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .architecture import hf_config
 from .config import ModelConfig, ParallelConfig
 from .data import IGNORE_INDEX
 from .loss import chunked_cross_entropy
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
-
-PRESETS = {
-    # Qwen2.5-1.5B's architecture (the reference workload); random init, since weights come from a hub.
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    ),
-    # A few million parameters: trains on 2 CPU cores in minutes.
-    "qwen2-tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=384,
-        vocab_size=4096,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    ),
-}
-
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -115,17 +86,6 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> PreT
         )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), **common)
-
-
-def hf_config(cfg: ModelConfig, vocab_size: int | None = None) -> PretrainedConfig:
-    """The Hugging Face config of the model to build, without its weights: the preset's (its vocabulary resized
-    to `vocab_size`, if given) or `path`'s, with `overrides` applied."""
-    from transformers import AutoConfig, Qwen2Config
-
-    if cfg.preset is not None:
-        vocab = {"vocab_size": vocab_size} if vocab_size else {}
-        return Qwen2Config(**{**PRESETS[cfg.preset], **vocab, **cfg.overrides})
-    return AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"), **cfg.overrides)
 
 
 class CausalLMWithLoss(nn.Module):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from job.model import PRESETS
+from job.architecture import PRESETS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_trainer_baseline.py"
 

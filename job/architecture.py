@@ -1,0 +1,55 @@
+"""The model's architecture without its weights: the presets, and the Hugging Face config a run builds from.
+
+Apart from `model` (which builds, wraps and shards the model on the workers), so that the driver can check a
+config against the model's architecture (`launch.check_before_start`) without importing what training needs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+PRESETS = {
+    # Qwen2.5-1.5B's architecture (the reference workload); random init, since weights come from a hub.
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # A few million parameters: trains on 2 CPU cores in minutes.
+    "qwen2-tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
+
+def hf_config(cfg: ModelConfig, vocab_size: int | None = None) -> PretrainedConfig:
+    """The Hugging Face config of the model to build, without its weights: the preset's (its vocabulary resized
+    to `vocab_size`, if given) or `path`'s, with `overrides` applied."""
+    from transformers import AutoConfig, Qwen2Config
+
+    if cfg.preset is not None:
+        vocab = {"vocab_size": vocab_size} if vocab_size else {}
+        return Qwen2Config(**{**PRESETS[cfg.preset], **vocab, **cfg.overrides})
+    return AutoConfig.from_pretrained(cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"), **cfg.overrides)
