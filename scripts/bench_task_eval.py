@@ -120,7 +120,8 @@ def main() -> int:
 
 
 def profile(lm, tokenizer, items, eval_cfg, device, steps: int) -> dict:
-    """Prefill and per-step time of the full batch as task evaluation decodes, and the top kernels of `steps` steps."""
+    """Prefill and per-step time of the full batch as task evaluation decodes, and the top kernels of `steps`
+    eager decode steps (the prefill left out)."""
     prompts = tokenizer([x["prompt"] for x in items[: eval_cfg.task_batch_size]], add_special_tokens=False)["input_ids"]
     ids, mask = evaluate.left_pad(prompts, evaluate.pad_id(tokenizer))
     ids, mask = ids.to(device), mask.to(device)
@@ -135,8 +136,11 @@ def profile(lm, tokenizer, items, eval_cfg, device, steps: int) -> dict:
           f"decode step {1000 * per_step:.1f} ms")
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # The decode steps alone, eagerly (a replayed graph hides which operation each kernel belongs to).
+    generate.use_grouped_decode(lm)
+    decoder = generate.StaticDecoder(lm, ids, mask, 1 + steps, eos_token_id=None, pad_token_id=evaluate.pad_id(tokenizer))
     with torch.profiler.profile(activities=activities) as prof:
-        decode(1 + steps)
+        decoder.run(cuda_graph=False)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
     return {"profile": {"batch": ids.shape[0], "prompt_width": ids.shape[1], "prefill_s": prefill,
