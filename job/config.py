@@ -391,6 +391,7 @@ def validate(cfg: RunConfig) -> None:
         "preflight.iters": cfg.preflight.iters,
         "eval.task_batch_size": cfg.eval.task_batch_size,
         "eval.task_max_new_tokens": cfg.eval.task_max_new_tokens,
+        "eval.sample_tokens": cfg.eval.sample_tokens,
     }
     for path, value in positive.items():
         if value <= 0:
