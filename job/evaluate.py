@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import data as data_lib
 from .data import pad_id
-from .generate import greedy_generate
+from .generate import generated_lengths, greedy_generate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -228,14 +228,15 @@ def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items
     mine = items[rank::world]
     bs = eval_cfg.task_batch_size
     correct = 0
-    shown, lengths, decode_steps, decode = [], [], 0, None
+    shown, lengths, decode_steps, decodes = [], [], 0, {}
     for start in range(0, len(mine), bs):
         batch = mine[start : start + bs]
         prompts = tokenizer([x["prompt"] for x in batch], add_special_tokens=False)["input_ids"]
         ids, mask = left_pad(prompts, pad_id(tokenizer))
         generated = greedy_generate(lm, ids.to(device), mask.to(device), eval_cfg.task_max_new_tokens,
                                     tokenizer.eos_token_id, pad_id(tokenizer))
-        out, decode = generated.ids, generated.decode
+        out = generated.ids
+        decodes[generated.decode] = None  # how each batch ran, once each in order (a failed capture shows)
         decode_steps += out.shape[1] - ids.shape[1]
         lengths += generated_lengths(out[:, ids.shape[1]:], tokenizer.eos_token_id)
         for row, x in zip(out, batch):
@@ -249,16 +250,7 @@ def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items
     n = int(totals[1].item())
     return {"kind": "task_eval", "step": step, "task": eval_cfg.task, "exact_match": totals[0].item() / max(n, 1),
             "n": n, "examples": shown, "decode_steps": decode_steps, "new_tokens": length_quantiles(lengths),
-            "decode": decode}
-
-
-def generated_lengths(new: torch.Tensor, eos_token_id: int | None) -> list[int]:
-    """Tokens each row generated up to and including its first EOS (all of them without one)."""
-    if eos_token_id is None:
-        return [new.shape[1]] * new.shape[0]
-    ended = (new == eos_token_id).int()
-    first = ended.argmax(dim=1) + 1
-    return torch.where(ended.any(dim=1), first, new.shape[1]).tolist()
+            "decode": "; ".join(decodes)}
 
 
 def length_quantiles(lengths: list[int]) -> dict:

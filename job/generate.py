@@ -200,5 +200,13 @@ class StaticDecoder:
         new = self.new[:, : self.produced]
         if self.eos is None or not bool(self.ended.all()):
             return new
-        ended = new == self.eos
-        return new[:, : int(ended.int().argmax(dim=1).max()) + 1]
+        return new[:, : max(generated_lengths(new, self.eos))]
+
+
+def generated_lengths(new: torch.Tensor, eos_token_id: int | None) -> list[int]:
+    """Tokens each row generated up to and including its first EOS (all of them without one)."""
+    if eos_token_id is None:
+        return [new.shape[1]] * new.shape[0]
+    ended = (new == eos_token_id).int()
+    first = ended.argmax(dim=1) + 1
+    return torch.where(ended.any(dim=1), first, new.shape[1]).tolist()
