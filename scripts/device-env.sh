@@ -14,8 +14,8 @@ if [ ! -d .whl ] || ! ls .whl/*.whl >/dev/null 2>&1; then
   return 1 2>/dev/null || exit 1
 fi
 # Installed once per warm machine (the wheels' names and sizes as the key), then compiled to bytecode as an
-# image's pip install does: without it every fresh process compiled ray's modules at first import, which added
-# ~20 s to a run's startup (run 21: driver 15.9 s, Ray Train's worker start 31.7 s).
+# image's pip install does: without it every fresh process compiled ray's modules at first import (run 21 -> 22:
+# startup 55.1 -> 41.1 s, Ray Train's worker start 31.7 -> 21.5 s).
 wheels=$(ls -l .whl/*.whl | awk '{print $5, $9}')
 if [[ "$(cat /tmp/site/.installed 2>/dev/null)" != "$wheels" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
