@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import re
+import time
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
@@ -212,45 +214,76 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-@torch.no_grad()
+@dataclass
+class TaskShare:
+    """One rank's share of a task evaluation, decoded and scored (`task_decode`); `task_record` sums the ranks'."""
+
+    correct: int
+    n: int
+    examples: list[dict]
+    """The first `eval.task_log_examples` of this rank's items: question, expected and generated answer."""
+    lengths: list[int]
+    """Tokens each generation took, up to and including its EOS."""
+    decode_steps: int
+    decodes: list[str]
+    """How each batch decoded (`Generated.decode`), once each, in order: a failed capture in any batch shows."""
+    seconds: float = 0.0
+
+
 def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
                   rank: int, world: int, device: torch.device, step: int) -> dict:
     """Greedy generation on held-out items by the unsharded `lm`, scored by exact match of the task's final
-    answer. Returns the `task_eval` metrics record (the same on every rank; examples from rank 0's share).
+    answer: `task_decode`, then `task_record` (collective). Returns the `task_eval` metrics record."""
+    return task_record(task_decode(lm, tokenizer, items, eval_cfg, rank, world, device), eval_cfg, device, step)
+
+
+@torch.no_grad()
+def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
+                rank: int, world: int, device: torch.device) -> TaskShare:
+    """This rank's share of a task evaluation, decoded and scored; no collectives (it may run in a thread).
 
     The first `eval.task_max_examples` items are dealt out round-robin (rank r scores items r, r + world, ...),
     and each rank decodes its share on its own in batches of `eval.task_batch_size`.
     """
+    start = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the current device is per thread
     if eval_cfg.task_max_examples:
         items = items[: eval_cfg.task_max_examples]
     if not items:
         raise data_lib.DataError("eval.task: no held-out rows to evaluate on")
     mine = items[rank::world]
-    bs = eval_cfg.task_batch_size
-    correct = 0
-    shown, lengths, decode_steps, decodes = [], [], 0, {}
-    for start in range(0, len(mine), bs):
-        batch = mine[start : start + bs]
+    share = TaskShare(correct=0, n=len(mine), examples=[], lengths=[], decode_steps=0, decodes=[])
+    for first in range(0, len(mine), eval_cfg.task_batch_size):
+        batch = mine[first : first + eval_cfg.task_batch_size]
         prompts = tokenizer([x["prompt"] for x in batch], add_special_tokens=False)["input_ids"]
         ids, mask = left_pad(prompts, pad_id(tokenizer))
         generated = greedy_generate(lm, ids.to(device), mask.to(device), eval_cfg.task_max_new_tokens,
                                     tokenizer.eos_token_id, pad_id(tokenizer))
         out = generated.ids
-        decodes[generated.decode] = None  # how each batch ran, once each in order (a failed capture shows)
-        decode_steps += out.shape[1] - ids.shape[1]
-        lengths += generated_lengths(out[:, ids.shape[1]:], tokenizer.eos_token_id)
+        if generated.decode not in share.decodes:
+            share.decodes.append(generated.decode)
+        share.decode_steps += out.shape[1] - ids.shape[1]
+        share.lengths += generated_lengths(out[:, ids.shape[1]:], tokenizer.eos_token_id)
         for row, x in zip(out, batch):
             got = decode_continuation(tokenizer, row, ids.shape[1])
             expected, ok = score(eval_cfg.task, got, x["reference"])
-            correct += ok
-            if len(shown) < eval_cfg.task_log_examples:
-                shown.append({"question": x["question"], "expected": expected, "got": got, "correct": bool(ok)})
-    totals = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
+            share.correct += ok
+            if len(share.examples) < eval_cfg.task_log_examples:
+                share.examples.append({"question": x["question"], "expected": expected, "got": got, "correct": bool(ok)})
+    share.seconds = time.perf_counter() - start
+    return share
+
+
+def task_record(share: TaskShare, eval_cfg: EvalConfig, device: torch.device, step: int) -> dict:
+    """The `task_eval` metrics record of every rank's `share` (collective: the counts are summed), the same on
+    every rank; its examples and generation lengths are this rank's."""
+    totals = torch.tensor([share.correct, share.n], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     n = int(totals[1].item())
     return {"kind": "task_eval", "step": step, "task": eval_cfg.task, "exact_match": totals[0].item() / max(n, 1),
-            "n": n, "examples": shown, "decode_steps": decode_steps, "new_tokens": length_quantiles(lengths),
-            "decode": "; ".join(decodes)}
+            "n": n, "examples": share.examples, "decode_steps": share.decode_steps,
+            "new_tokens": length_quantiles(share.lengths), "decode": "; ".join(share.decodes)}
 
 
 def length_quantiles(lengths: list[int]) -> dict:

@@ -71,9 +71,10 @@ class LoopConfig:
     """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
     includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
     startup: dict[str, float] = dataclasses.field(default_factory=dict)
-    """When each of the driver's startup steps ended (epoch seconds, in order): `imports`, `checks` (config,
-    packages, storage and model), `ray` (Ray connected or started), `prepare` (data sources checked, run
-    directory ready)."""
+    """When each startup step ended (epoch seconds, in order): the driver's `imports`, `checks` (config,
+    packages, storage and model), `ray` (Ray connected or started) and `prepare` (data sources checked, run
+    directory ready); then, added in each Ray Train worker, `workers` (Ray Train has started the worker group
+    and entered this worker's loop function)."""
     tokenizer_json: str | None = None
     """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
     a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
@@ -309,9 +310,11 @@ def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:
 
 def ray_train_loop(train_loop_config: dict) -> None:
     """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`."""
+    loop_config, launcher = ray_worker_args(train_loop_config)
+    loop_config.startup["workers"] = time.time()  # Ray Train's part ends here; the training code's imports follow
     from .train import train_loop
 
-    train_loop(*ray_worker_args(train_loop_config))
+    train_loop(loop_config, launcher)
 
 
 def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | None:

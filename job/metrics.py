@@ -115,13 +115,13 @@ class Timeline:
     is charged to the phase that queued it. `started_at` (epoch seconds) is when the driver started, so Ray's
     start and worker scheduling count too. Whatever no phase covers (the record, the logger, clean-up) is `other`.
 
-    `startup` is split by `driver_steps` (when each of the driver's startup steps ended, epoch seconds, in
-    order) into those steps, `workers` (from the driver's last step to this worker's loop: Ray Train starting
-    the worker group, the workers' imports, device and process group) and `preflight` (what the loop times as
-    `startup` itself: the first collectives).
+    `startup` is split by `steps` (when each startup step ended, epoch seconds, in order: the driver's, then
+    `workers`, Ray Train starting the worker group, `launch.LoopConfig.startup`) into those steps,
+    `worker_imports` (from the last step to this worker's loop: the training code's imports, the device) and
+    `preflight` (what the loop times as `startup` itself: the first collectives).
     """
 
-    def __init__(self, started_at: float, device: torch.device, driver_steps: dict[str, float] | None = None):
+    def __init__(self, started_at: float, device: torch.device, steps: dict[str, float] | None = None):
         self.started_at = started_at
         self.device = device
         self.seconds = dict.fromkeys(PHASES, 0.0)
@@ -129,9 +129,9 @@ class Timeline:
         self.seconds["startup"] = max(0.0, now - started_at)
         self.startup: dict[str, float] = {}
         previous = started_at
-        for name, ended in (driver_steps or {}).items():
+        for name, ended in (steps or {}).items():
             self.startup[name], previous = max(0.0, ended - previous), ended
-        self.startup["workers"] = max(0.0, now - previous)
+        self.startup["worker_imports"] = max(0.0, now - previous)
         self.checkpoint_blocking_s: list[float] = []
 
     def sync(self) -> None:

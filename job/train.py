@@ -28,7 +28,8 @@ from . import data as data_lib
 from . import evidence, nccl
 from . import export as export_lib
 from . import preflight as preflight_lib
-from .evaluate import (evaluate, generate_sample, heldout_batches, synthetic_heldout, task_evaluate, task_items)
+from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, synthetic_heldout, task_decode,
+                       task_evaluate, task_items, task_record)
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
                     weights_fingerprint)
@@ -225,11 +226,14 @@ def train(run: Run) -> None:
     """The loop, from the step after the resume point to `train.max_steps`: one optimizer step per iteration;
     logs, evaluations and checkpoints at their intervals (each timed as its own phase, the rest is training)."""
     cfg, device, world = run.cfg, run.device, run.world
-    if run.start_step == 0:
+    if run.start_step == 0:  # the untrained baselines that later evaluations are read against
+        # The task's decoding (device-bound) runs beside the first held-out evaluation, which compiles the
+        # forward (host-bound, ~11 s for Qwen2.5-1.5B on an H200).
+        baseline = start_task_eval(run) if cfg.eval.task and cfg.eval.task_at_start else None
         if cfg.eval.every_steps:
-            log_eval(run, 0)  # the untrained baseline that later evaluations are read against
-        if cfg.eval.task and cfg.eval.task_at_start:
-            run_task_eval(run, 0)
+            log_eval(run, 0)
+        if baseline is not None:
+            finish_task_eval(run, 0, baseline)
     # Running sums since the last log, kept on the device: reading them (.item()) is the only host sync.
     loss_sum = torch.zeros((), device=device)
     target_sum = torch.zeros((), device=device)
@@ -376,6 +380,68 @@ def run_task_eval(run: Run, step: int, lm: PreTrainedModel | None = None) -> Non
         result["seconds"] = time.perf_counter() - start
     run.task_results.append(result)
     run.log(result)
+
+
+@dataclass
+class PendingTaskEval:
+    """A task decoding `start_task_eval` began: in a thread (`background`; `wait` joins it) or already done."""
+
+    wait: Callable[[], TaskShare]
+    background: bool
+
+
+def start_task_eval(run: Run) -> PendingTaskEval:
+    """Starts this rank's task decoding on an unsharded copy of the model as it is now (gathered here:
+    collective), in a thread when the device has room for its KV cache beside the work that goes on meanwhile
+    (`room_to_decode_beside`), else at once; `finish_task_eval` collects it.
+
+    The thread makes no collective call, so the ranks' collectives stay in one order whichever way each ran."""
+    with run.timeline.phase("task_eval"):
+        lm = unsharded_copy(run)
+        args = (lm, run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world, run.device)
+        if room_to_decode_beside(run, lm):
+            return PendingTaskEval(in_background(task_decode, *args), background=True)
+        share = task_decode(*args)
+        return PendingTaskEval(lambda: share, background=False)
+
+
+def finish_task_eval(run: Run, step: int, pending: PendingTaskEval) -> None:
+    """Waits for the decoding `start_task_eval` began and logs the task evaluation at `step` (collective). A
+    background decoding is charged to the `task_eval` phase only for the wait: the record's `seconds` is the
+    decoding's own, `overlapped_s` the part of it that overlapped other phases."""
+    with run.timeline.phase("task_eval"):
+        start = time.perf_counter()
+        share = pending.wait()
+        result = task_record(share, run.cfg.eval, run.device, step)
+    waited = time.perf_counter() - start
+    overlapped = max(0.0, share.seconds - waited) if pending.background else 0.0
+    result.update(seconds=share.seconds, overlapped_s=overlapped)
+    run.task_results.append(result)
+    run.log(result)
+
+
+DECODE_HEADROOM = 0.25
+"""Share of the device's memory kept free beside a background decoding's KV cache, for what runs meanwhile
+(the first held-out forward: one micro-batch's activations, and the compiler's scratch)."""
+
+
+def room_to_decode_beside(run: Run, lm: PreTrainedModel) -> bool:
+    """Whether a task decoding fits beside other work: on CPU always; on a GPU when twice its largest batch's
+    KV cache (the cache and the prefill's passing activations) leaves `DECODE_HEADROOM` of the device free."""
+    if run.device.type != "cuda":
+        return True
+    eval_cfg, config = run.cfg.eval, lm.config
+    items = run.task_items[: eval_cfg.task_max_examples or None][run.rank :: run.world]
+    batch = min(eval_cfg.task_batch_size, len(items))
+    longest = max((len(ids) for ids in run.tokenizer([x["prompt"] for x in items], add_special_tokens=False)["input_ids"]),
+                  default=0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    cache = (2 * config.num_hidden_layers * batch * (longest + eval_cfg.task_max_new_tokens) * kv_heads * head_dim
+             * lm.dtype.itemsize)
+    free, total = torch.cuda.mem_get_info(run.device)
+    free += torch.cuda.memory_reserved(run.device) - torch.cuda.memory_allocated(run.device)
+    return free - 2 * cache >= DECODE_HEADROOM * total
 
 
 def complete_checkpoint(run: Run) -> None:

@@ -2,12 +2,14 @@
 """How fast DCP writes a checkpoint's staged state to a directory, per writer setting: the write that sets the
 end of a run (its last save completes before the job reports success, docs/checkpoints.md).
 
-A state dict of `--gib` GiB in host memory, shaped like Qwen2.5-1.5B's fp32 parameters and AdamW moments
-(one 233M-element embedding, the rest per layer), is saved with `dcp.save` and `FileSystemWriter` once per
-variant `THREADSxSYNC` (writer threads; whether each file is fsynced), then checksummed as `job.checkpoint`
-does (`storage.digest_all`). One row per variant: seconds writing, GB/s, seconds checksumming.
+A state dict of `--gib` GiB of random values in host memory, shaped like Qwen2.5-1.5B's fp32 parameters and
+AdamW moments (one 233M-element embedding, the rest per layer), is saved with `FileSystemWriter` once per
+variant `[process:]THREADSxSYNC` (writer threads; whether each file is fsynced; `process:` as a run's writer
+process does it, from staged shared memory through DCP's writer process, which the first such row starts),
+then checksummed as `job.checkpoint` does (`storage.digest_all`). One row per variant: seconds writing, GB/s,
+seconds checksumming.
 
-    python scripts/bench_dcp_write.py [--gib 8] [--dir /tmp/dcpbench] [--variants 4xsync,8xsync,16xsync,8xnosync]
+    python scripts/bench_dcp_write.py [--gib 8] [--dir /tmp/dcpbench] [--variants 4xsync,8xsync,process:8xsync]
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ def staged_state(gib: float) -> dict[str, torch.Tensor]:
     layer = [1536 * 1536, 256 * 1536, 256 * 1536, 1536 * 1536, 8960 * 1536, 8960 * 1536, 1536 * 8960, 1536, 1536]
     while sum(sizes) + sum(layer) <= budget:
         sizes += layer
-    pin = torch.cuda.is_available()
-    return {f"t{i}": torch.ones(n, pin_memory=pin) for i, n in enumerate(sizes)}
+    return {f"t{i}": torch.randn(n) for i, n in enumerate(sizes)}
 
 
 def main() -> int:
@@ -48,21 +49,34 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
+    from job.checkpoint import ALREADY_STAGED, HostStager
+
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tempfile.mktemp()}")
     state = staged_state(args.gib)
     total = sum(t.numel() * t.element_size() for t in state.values())
+    shared = None  # the state staged into shared memory for the writer process, once a row needs it
     print(f"{len(state)} tensors, {total / 1e9:.1f} GB, to {args.dir}")
-    print(f"{'variant':<12}{'write s':>9}{'GB/s':>7}{'checksum s':>12}")
+    print(f"{'variant':<16}{'write s':>9}{'GB/s':>7}{'checksum s':>12}")
     for variant in args.variants.split(","):
-        threads, sync = variant.split("x")
+        writer, _, setting = variant.rpartition(":")
+        threads, sync = setting.split("x")
+        storage_writer = FileSystemWriter(args.dir, thread_count=int(threads), sync_files=sync == "sync")
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir)
         start = time.perf_counter()
-        dcp.save(state, storage_writer=FileSystemWriter(args.dir, thread_count=int(threads), sync_files=sync == "sync"))
+        if writer == "process":
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            shared = shared or HostStager(pin=torch.cuda.is_available(), shared=True).stage(state)
+            start = time.perf_counter()
+            dcp.async_save(shared, storage_writer=storage_writer, async_stager=ALREADY_STAGED,
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        else:
+            dcp.save(state, storage_writer=storage_writer)
         written = time.perf_counter()
         storage.digest_all([os.path.join(args.dir, name) for name in sorted(os.listdir(args.dir))])
         checked = time.perf_counter()
-        print(f"{variant:<12}{written - start:>9.1f}{total / 1e9 / (written - start):>7.2f}{checked - written:>12.1f}",
+        print(f"{variant:<16}{written - start:>9.1f}{total / 1e9 / (written - start):>7.2f}{checked - written:>12.1f}",
               flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
     dist.destroy_process_group()

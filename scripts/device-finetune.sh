@@ -12,7 +12,9 @@
 #                                               it, the run resumes from its last complete checkpoint).
 #                                               Env: NAME=gsm8k (the run's name), KEEP_RUNS=1 keeps the other runs
 #                                               and the runs' compile cache (/tmp/runs/.compile_cache), FRESH_LOCAL_CACHE=1
-#                                               empties the local compile caches first (a fresh pod's view)
+#                                               empties the local compile caches first (a fresh pod's view).
+#                                               Ray Train's startup, actor by actor, goes to ray-startup.txt
+#                                               (scripts/ray_actor_timeline.py)
 #   scripts/device-finetune.sh task-eval [ARGS]   scripts/bench_task_eval.py on that run config (one table)
 #   scripts/device-finetune.sh parity [RECIPES] [--set K=V]   FP8 loss parity (issue 19): the same run config, 200 steps,
 #                                               once in bf16 and once per float8 recipe (default "none,rowwise"), held-out
@@ -50,7 +52,8 @@ case "${1:-}" in
     echo "exit $?"
     cp /tmp/run.yaml "/tmp/runs/$name/run.json" "/tmp/runs/$name/metrics.jsonl" "$out/"
     cp "/tmp/runs/$name/export/acceptance.json" "$out/" 2>/dev/null
-    python3 scripts/finetune_summary.py "$out/run.log" "/tmp/runs/$name" | tee "$out/summary.txt" ;;
+    python3 scripts/finetune_summary.py "$out/run.log" "/tmp/runs/$name" | tee "$out/summary.txt"
+    python3 scripts/ray_actor_timeline.py > "$out/ray-startup.txt" 2>&1 ;;
   task-eval)
     source scripts/device-env.sh || exit 1
     run_config || exit 1

@@ -162,7 +162,7 @@ def test_cpu_smoke_rayjob_runs_and_writes_where_storage_says(pod_root):
     assert record["status"] == "succeeded" and record["run_name"] == RELEASE
     # The startup phase from the entrypoint's start, by step, adding up to the phase.
     startup = record["time"]["startup_s"]
-    assert list(startup) == ["imports", "checks", "ray", "prepare", "workers", "preflight"]
+    assert list(startup) == ["imports", "checks", "ray", "prepare", "workers", "worker_imports", "preflight"]
     assert sum(startup.values()) == pytest.approx(record["time"]["phases_s"]["startup"], abs=0.01)
     # The run record carries what the chart put in the container's environment.
     assert record["chart"] == {"name": pod_env["JOB_CHART"], "version": pod_env["JOB_CHART_VERSION"],

@@ -227,3 +227,99 @@ def test_generated_lengths_count_up_to_the_first_eos_and_quantiles_name_the_tail
     assert E.generated_lengths(new, None) == [4, 4, 4, 4]
     assert E.length_quantiles(list(range(1, 101))) == {"p50": 51, "p90": 91, "p99": 100, "max": 100}
     assert E.length_quantiles([]) == {}
+
+
+# ---- the task baseline beside the first held-out evaluation -----------------------------------------------------------
+
+
+def _baseline_run(tmp_path, records):
+    """What `train.start_task_eval` / `finish_task_eval` read of a `train.Run`: a tiny random Qwen2 as the
+    unsharded copy, BPE-tokenized GSM8K-style items, one gloo rank."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from job import data as D
+    from job.metrics import Timeline
+    from tests.test_generate import tiny_lm
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    tok = D.train_bpe_tokenizer([f"Question: what is {i} + 4?\nAnswer: #### {i + 4}" for i in range(20)], 64)
+    items = [{"question": f"q{i}", "prompt": f"Question: what is {i} + 4?\nAnswer: ", "reference": f"#### {i + 4}"}
+             for i in range(5)]
+    cfg = SimpleNamespace(eval=SimpleNamespace(task="gsm8k", task_max_examples=0, task_batch_size=2,
+                                               task_max_new_tokens=20, task_log_examples=5))
+    lm = tiny_lm(vocab_size=len(tok))
+    lm.config.eos_token_id = tok.eos_token_id
+    device = torch.device("cpu")
+    return SimpleNamespace(cfg=cfg, tokenizer=tok, task_items=items, rank=0, world=1, device=device,
+                           timeline=Timeline(0.0, device), task_results=[], log=records.append, lm=lm)
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_the_task_baseline_decodes_beside_other_work_and_is_charged_only_its_wait(tmp_path, monkeypatch, beside):
+    """In a thread while the main thread works (the first held-out evaluation), or at once where the device
+    lacks room: the same record either way; the `task_eval` phase holds the gather and the wait, not the
+    decoding that overlapped."""
+    import threading
+
+    from job import train
+
+    records = []
+    run = _baseline_run(tmp_path, records)
+    monkeypatch.setattr(train, "unsharded_copy", lambda r: r.lm)
+    monkeypatch.setattr(train, "room_to_decode_beside", lambda r, lm: beside)
+    threads, decoded = [], threading.Event()
+    decode = train.task_decode
+
+    def task_decode(*args):
+        threads.append(threading.current_thread())
+        share = decode(*args)
+        decoded.set()
+        return share
+
+    monkeypatch.setattr(train, "task_decode", task_decode)
+    waiter = train.start_task_eval(run)
+    assert decoded.wait(timeout=300)  # the held-out evaluation would run meanwhile; here the main thread waits
+    train.finish_task_eval(run, 0, waiter)
+
+    (record,) = records
+    assert (threads[0] is not threading.main_thread()) == beside
+    assert record["kind"] == "task_eval" and record["step"] == 0 and record["n"] == 5 and len(record["examples"]) == 5
+    assert record["decode"] == "eager" and record["decode_steps"] > 0
+    assert record["seconds"] > 0 and run.task_results == [record]
+    if beside:  # done before the wait: all of it overlapped, and the phase holds none of it
+        assert record["overlapped_s"] == pytest.approx(record["seconds"], abs=0.05)
+        assert run.timeline.seconds["task_eval"] < 0.5
+    else:  # decoded at once, inside the phase
+        assert record["overlapped_s"] == 0.0
+        assert run.timeline.seconds["task_eval"] >= record["seconds"]
+    if beside:
+        records.clear()
+        monkeypatch.setattr(train, "room_to_decode_beside", lambda r, lm: False)
+        train.finish_task_eval(run, 0, train.start_task_eval(run))
+        same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "overlapped_s")}  # noqa: E731
+        assert same(records[0]) == same(record)
+
+
+def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_headroom(tmp_path, monkeypatch):
+    from job import train
+
+    run = _baseline_run(tmp_path, [])
+    run.device = torch.device("cuda", 0)  # only a name here: the memory figures are the patched ones below
+    config = run.lm.config
+    longest = max(len(run.tokenizer(x["prompt"], add_special_tokens=False)["input_ids"]) for x in run.task_items)
+    # Batches of 2: per layer, keys and values of 2 rows x (prompt + 20 new tokens) x kv heads x head dim, fp32.
+    cache = 2 * config.num_hidden_layers * 2 * (longest + 20) * config.num_key_value_heads * \
+        (config.hidden_size // config.num_attention_heads) * 4
+    total = 100 * cache
+    cached_unused = 3 * cache  # held by the caching allocator, free to reuse
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * cache)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * cache - cached_unused)
+    needed = 2 * cache + train.DECODE_HEADROOM * total
+    for free, fits in ((needed - cached_unused, True), (needed - cached_unused - 1, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))
+        assert train.room_to_decode_beside(run, run.lm) is fits
+    run.device = torch.device("cpu")
+    assert train.room_to_decode_beside(run, run.lm)

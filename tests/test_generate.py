@@ -6,11 +6,11 @@ import torch
 from job import generate as G
 
 
-def tiny_lm(heads: int = 6, kv_heads: int = 2, attention: str = "sdpa", seed: int = 0):
+def tiny_lm(heads: int = 6, kv_heads: int = 2, attention: str = "sdpa", seed: int = 0, vocab_size: int = 64):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=heads,
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=48, num_hidden_layers=2, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, intermediate_size=96, max_position_embeddings=256,
                          tie_word_embeddings=True, initializer_range=0.5)  # wide init: varied greedy tokens
     return AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()

@@ -19,18 +19,21 @@ def test_timeline_splits_startup_by_the_driver_steps_and_counts_goodput_over_the
     wall, clock = [1000.0], [0.0]
     monkeypatch.setattr(metrics.time, "time", lambda: wall[0])
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
-    # The driver started at 990 and ended its steps at 992, 995 and 996; the worker's loop starts at 1000.
-    timeline = Timeline(990.0, torch.device("cpu"), {"driver": 992.0, "ray": 995.0, "prepare": 996.0})
+    # The driver started at 990 and ended its steps at 992, 995 and 996; Ray Train entered the worker's loop
+    # function at 999, and the loop starts at 1000.
+    timeline = Timeline(990.0, torch.device("cpu"), {"driver": 992.0, "ray": 995.0, "prepare": 996.0, "workers": 999.0})
     with timeline.phase("startup"):  # the preflight
         clock[0] += 1.5
     with timeline.phase("train"):
         clock[0] += 6.0
     wall[0] = 1010.0
     summary = timeline.summary()
-    assert summary["startup_s"] == {"driver": 2.0, "ray": 3.0, "prepare": 1.0, "workers": 4.0, "preflight": 1.5}
+    assert summary["startup_s"] == {"driver": 2.0, "ray": 3.0, "prepare": 1.0, "workers": 3.0, "worker_imports": 1.0,
+                                    "preflight": 1.5}
     assert summary["phases_s"]["startup"] == 11.5 and summary["phases_s"]["other"] == 2.5
     assert summary["wall_s"] == 20.0 and summary["goodput"] == 0.3
-    assert "startup: driver 2.0, ray 3.0, prepare 1.0, workers 4.0, preflight 1.5" in metrics.format_timeline(summary)
+    assert ("startup: driver 2.0, ray 3.0, prepare 1.0, workers 3.0, worker_imports 1.0, preflight 1.5"
+            in metrics.format_timeline(summary))
 
 
 def test_device_timeline_counts_overlap_once_and_finds_gaps():

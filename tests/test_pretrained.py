@@ -89,7 +89,7 @@ def test_pretrained_weights_are_loaded_and_fine_tuning_lowers_the_loss(reference
     assert [e["step"] for e in record["evaluation"]] == [0, MAX_STEPS]
     phases = record["time"]["phases_s"]
     assert phases["train"] > 0 and phases["task_eval"] > 0 and 0 < record["time"]["goodput"] < 1
-    assert list(record["time"]["startup_s"]) == ["prepare", "workers", "preflight"]  # launched without the CLI
+    assert list(record["time"]["startup_s"]) == ["prepare", "workers", "worker_imports", "preflight"]  # launched without the CLI
 
 
 def test_worker_killed_during_an_async_save_resumes_exactly(reference, smollm2, tmp_path):
