@@ -115,21 +115,20 @@ def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
     """Checks the model's config (`model.preset` or `model.path`, with `model.overrides`) against the settings:
     attention heads that divide the hidden size and key/value heads that divide the heads (a model that cannot
     run), and `train.seq_len` within the model's positions."""
-    from .architecture import hf_config
+    from .architecture import config_fields
 
     try:
-        arch = hf_config(cfg.model)
-    except Exception as e:
-        field = "model.overrides" if cfg.model.preset else "model.path"
-        return [f"{field}: cannot build the model config ({type(e).__name__}: {' '.join(str(e).split())[:300]})"]
-    hidden, heads = getattr(arch, "hidden_size", None), getattr(arch, "num_attention_heads", None)
-    kv_heads = getattr(arch, "num_key_value_heads", None) or heads
+        arch = config_fields(cfg.model)
+    except Exception as e:  # no such directory or hub id, no config.json, not JSON
+        return [f"model.path: cannot read the model's config ({type(e).__name__}: {' '.join(str(e).split())[:300]})"]
+    hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
+    kv_heads = arch.get("num_key_value_heads") or heads
     errors = []
-    if hidden and heads and hidden % heads and getattr(arch, "head_dim", None) is None:
+    if hidden and heads and hidden % heads and arch.get("head_dim") is None:
         errors.append(f"model.overrides: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
     if heads and kv_heads and heads % kv_heads:
         errors.append(f"model.overrides: num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}")
-    positions = getattr(arch, "max_position_embeddings", None)
+    positions = arch.get("max_position_embeddings")
     if positions and cfg.train.seq_len > positions:
         errors.append(f"train.seq_len: {cfg.train.seq_len} is beyond the model's max_position_embeddings ({positions})")
     return errors

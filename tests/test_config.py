@@ -1,5 +1,6 @@
 """Run config: strict loading with dotted-path errors, overrides through the same checks, schema in step."""
 
+import json
 from pathlib import Path
 
 import jsonschema
@@ -157,9 +158,28 @@ def test_driver_reports_every_problem_before_any_worker(tmp_path, capsys):
     assert lines[3].endswith("train.seq_len: 9000 is beyond the model's max_position_embeddings (4096)")
 
 
+def test_a_model_directory_is_checked_against_its_config_json_with_the_overrides(tmp_path):
+    from job import launch
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 96, "num_attention_heads": 6,
+                                                   "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    pretrained = {"init": "pretrained", "preset": None, "path": str(model)}
+    assert launch._model_problems(load_with(model=pretrained, train={"seq_len": 512})) == []
+    problems = launch._model_problems(load_with(model={**pretrained, "overrides": {"num_key_value_heads": 4}},
+                                                train={"seq_len": 513}))
+    assert problems == ["model.overrides: num_attention_heads 6 is not divisible by num_key_value_heads 4",
+                        "train.seq_len: 513 is beyond the model's max_position_embeddings (512)"]
+    (model / "config.json").unlink()
+    (problem,) = launch._model_problems(load_with(model=pretrained))
+    assert problem.startswith("model.path: cannot read the model's config (FileNotFoundError") and str(model) in problem
+
+
 def test_the_driver_does_not_import_the_training_loop(tmp_path):
     """The driver only checks and launches the loop: the model, FSDP2 and compiler imports are the workers'
-    (they took ~6 of the driver's ~14 s on the H200 machine), also through the checks of the model's settings."""
+    (they took ~6 of the driver's ~14 s on the H200 machine), and the checks of the model's settings read its
+    config without Transformers (~7 s more, run 24)."""
     import subprocess
     import sys
 
@@ -168,7 +188,7 @@ def test_the_driver_does_not_import_the_training_loop(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**VALID, "storage_path": str(blocker), "train": {"seq_len": 9000}}))
     probe = (f"import sys; from job.__main__ import main; assert main(['--config', {str(path)!r}]) == 2; "
-             "print(sorted(m for m in ('job.train', 'job.model', 'torch._inductor') if m in sys.modules))")
+             "print(sorted(m for m in ('job.train', 'job.model', 'torch._inductor', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, check=True)
     assert "train.seq_len: 9000 is beyond" in out.stderr  # the model's settings were checked
