@@ -227,8 +227,9 @@ def train(run: Run) -> None:
     logs, evaluations and checkpoints at their intervals (each timed as its own phase, the rest is training)."""
     cfg, device, world = run.cfg, run.device, run.world
     if run.start_step == 0:  # the untrained baselines that later evaluations are read against
-        # The task's decoding (device-bound, ~10 s for Qwen2.5-1.5B on all of GSM8K's test split on an H200)
-        # runs beside the first held-out evaluation, whose compilation of the forward is host-bound (~11 s).
+        # The task's decoding (device-bound: ~10 s for Qwen2.5-1.5B on GSM8K's test split on one H200) runs
+        # beside the first held-out evaluation, which compiles the forward (~13 s alone). Together they took
+        # ~20 s against ~23 s one after the other (runs 24-25, docs/benchmarks.md).
         baseline = start_task_eval(run) if cfg.eval.task and cfg.eval.task_at_start else None
         if cfg.eval.every_steps:
             log_eval(run, 0)
@@ -400,23 +401,9 @@ def start_task_eval(run: Run) -> PendingTaskEval:
         lm = unsharded_copy(run)
         args = (lm, run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world, run.device)
         if room_to_decode_beside(run, lm):
-            return PendingTaskEval(in_background(decode_aside, run.device, *args), background=True)
+            return PendingTaskEval(in_background(task_decode, *args), background=True)
         share = task_decode(*args)
         return PendingTaskEval(lambda: share, background=False)
-
-
-def decode_aside(device: torch.device, *args) -> TaskShare:
-    """`task_decode(*args)` on a CUDA stream of its own on `device`, if a GPU: on the stream the main thread
-    uses, the held-out evaluation's kernels (and its copies to the device, which wait for that stream) queued
-    behind the decode steps, and the step-0 evaluation took the decoding's time on top of its own (run 24)."""
-    if device.type != "cuda":
-        return task_decode(*args)
-    with torch.cuda.stream(torch.cuda.Stream(device)):
-        share = task_decode(*args)
-    # The allocator keeps freed memory for the stream it served: the KV cache's, cached, would be out of the
-    # training's reach.
-    torch.cuda.empty_cache()
-    return share
 
 
 def finish_task_eval(run: Run, step: int, pending: PendingTaskEval) -> None:
