@@ -232,19 +232,25 @@ def test_generated_lengths_count_up_to_the_first_eos_and_quantiles_name_the_tail
 # ---- the task baseline beside the first held-out evaluation -----------------------------------------------------------
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one rank, for the task record's all-reduce."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def _baseline_run(tmp_path, records):
     """What `train.start_task_eval` / `finish_task_eval` read of a `train.Run`: a tiny random Qwen2 as the
-    unsharded copy, BPE-tokenized GSM8K-style items, one gloo rank."""
+    unsharded copy, BPE-tokenized GSM8K-style items, on CPU."""
     from types import SimpleNamespace
-
-    import torch.distributed as dist
 
     from job import data as D
     from job.metrics import Timeline
     from tests.test_generate import tiny_lm
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     tok = D.train_bpe_tokenizer([f"Question: what is {i} + 4?\nAnswer: #### {i + 4}" for i in range(20)], 64)
     items = [{"question": f"q{i}", "prompt": f"Question: what is {i} + 4?\nAnswer: ", "reference": f"#### {i + 4}"}
              for i in range(5)]
@@ -258,7 +264,8 @@ def _baseline_run(tmp_path, records):
 
 
 @pytest.mark.parametrize("beside", [True, False])
-def test_the_task_baseline_decodes_beside_other_work_and_is_charged_only_its_wait(tmp_path, monkeypatch, beside):
+def test_the_task_baseline_decodes_beside_other_work_and_is_charged_only_its_wait(tmp_path, monkeypatch, one_rank,
+                                                                                    beside):
     """In a thread while the main thread works (the first held-out evaluation), or at once where the device
     lacks room: the same record either way; the `task_eval` phase holds the gather and the wait, not the
     decoding that overlapped."""
