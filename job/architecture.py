@@ -66,6 +66,8 @@ def config_fields(cfg: ModelConfig) -> dict:
         return {**PRESETS[cfg.preset], **cfg.overrides}
     if os.path.isdir(cfg.path):
         path = os.path.join(cfg.path, "config.json")
+    elif os.path.isabs(cfg.path) or cfg.path.startswith("."):  # a local path, not a hub id
+        raise FileNotFoundError(f"{cfg.path} is not a directory")
     else:  # a hub id: its config.json alone
         from huggingface_hub import hf_hub_download
 

@@ -174,6 +174,8 @@ def test_a_model_directory_is_checked_against_its_config_json_with_the_overrides
     (model / "config.json").unlink()
     (problem,) = launch._model_problems(load_with(model=pretrained))
     assert problem.startswith("model.path: cannot read the model's config (FileNotFoundError") and str(model) in problem
+    (problem,) = launch._model_problems(load_with(model={**pretrained, "path": str(tmp_path / "absent")}))
+    assert problem == f"model.path: cannot read the model's config (FileNotFoundError: {tmp_path / 'absent'} is not a directory)"
 
 
 def test_the_driver_does_not_import_the_training_loop(tmp_path):
