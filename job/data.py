@@ -30,7 +30,7 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -634,10 +634,12 @@ DATA_CACHE = "data_cache"
 
 
 def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None,
-               run_dir: str) -> tuple[Dataset, str]:
+               run_dir: str, on_heldout_rows: Callable[[list[dict]], None] | None = None) -> tuple[Dataset, str]:
     """`build`, once per run rather than once per worker and attempt: rank 0 builds the dataset and writes it to
     the run's storage, the other ranks (and every rank of a later attempt) read it back. Collective. Returns the
-    dataset and `"built"` or `"read"`.
+    dataset and `"built"` or `"read"`. `on_heldout_rows` is called with the held-out examples as soon as this
+    rank has them: on the rank that builds, before anything is tokenized (work that needs only the rows, such as
+    the task baseline's decoding, then overlaps the tokenizing); on a rank that reads, once read.
 
     The file's key is the data config, `seq_len`, seed and tokenizer hash: a run keeps training on the data it
     first read (so a resumed attempt sees exactly the same blocks, even if a source file has changed since);
@@ -653,7 +655,7 @@ def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTok
     collective = dist.is_initialized() and dist.get_world_size() > 1
     how = "read"
     if not storage.exists(uri) and (not collective or dist.get_rank() == 0):
-        dataset, how = build(cfg, train_cfg, tokenizer), "built"
+        dataset, how = build(cfg, train_cfg, tokenizer, on_heldout_rows), "built"
         blob = io.BytesIO()
         torch.save({"train": _blocks_dict(dataset.train), "validation": _blocks_dict(dataset.validation),
                     "fingerprint": dataset.fingerprint, "validation_examples": dataset.validation_examples}, blob)
@@ -664,6 +666,8 @@ def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTok
         saved = torch.load(io.BytesIO(storage.read_bytes(uri)), weights_only=True)
         dataset = Dataset(_blocks(saved["train"]), _blocks(saved["validation"]), saved["fingerprint"],
                           saved["validation_examples"])
+        if on_heldout_rows is not None:
+            on_heldout_rows(dataset.validation_examples)
     return dataset, how
 
 
@@ -676,11 +680,15 @@ def _blocks(saved: dict | None) -> Blocks | None:
     return None if saved is None else Blocks(saved["input_ids"], saved["labels"], saved["position_ids"])
 
 
-def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None) -> Dataset:
-    """Reads, tokenizes and packs the configured data (synthetic data has nothing to build)."""
+def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None,
+          on_heldout_rows: Callable[[list[dict]], None] | None = None) -> Dataset:
+    """Reads, tokenizes and packs the configured data (synthetic data has nothing to build); `on_heldout_rows`
+    gets the held-out examples once they are read, before the tokenizing."""
     if cfg.format == "synthetic":
         return Dataset(None, None, {"format": "synthetic", "seed": train_cfg.seed})
     train_ex, val_ex, val_info = read_examples(cfg, train_cfg.seed)
+    if on_heldout_rows is not None:
+        on_heldout_rows(val_ex.items if val_ex is not None else [])
     padding = pad_id(tokenizer)
     fingerprint = {
         "format": cfg.format,

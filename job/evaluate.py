@@ -237,6 +237,22 @@ def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items
     return task_record(task_decode(lm, tokenizer, items, eval_cfg, rank, world, device), eval_cfg, device, step)
 
 
+def rank_items(items: list[dict], eval_cfg: EvalConfig, rank: int, world: int) -> list[dict]:
+    """Rank `rank`'s share of the first `eval.task_max_examples` items (all with 0), dealt out round-robin."""
+    if eval_cfg.task_max_examples:
+        items = items[: eval_cfg.task_max_examples]
+    if not items:
+        raise data_lib.DataError("eval.task: no held-out rows to evaluate on")
+    return items[rank::world]
+
+
+def kv_cache_bytes(config, batch: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a static KV cache of `batch` rows x `length` positions for the LM with `config`."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * batch * length * kv_heads * head_dim * dtype.itemsize
+
+
 @torch.no_grad()
 def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
                 rank: int, world: int, device: torch.device) -> TaskShare:
@@ -248,11 +264,7 @@ def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: 
     start = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the current device is per thread
-    if eval_cfg.task_max_examples:
-        items = items[: eval_cfg.task_max_examples]
-    if not items:
-        raise data_lib.DataError("eval.task: no held-out rows to evaluate on")
-    mine = items[rank::world]
+    mine = rank_items(items, eval_cfg, rank, world)
     share = TaskShare(correct=0, n=len(mine), examples=[], lengths=[], decode_steps=0, decodes=[])
     for first in range(0, len(mine), eval_cfg.task_batch_size):
         batch = mine[first : first + eval_cfg.task_batch_size]

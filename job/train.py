@@ -28,8 +28,8 @@ from . import data as data_lib
 from . import evidence, nccl
 from . import export as export_lib
 from . import preflight as preflight_lib
-from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, synthetic_heldout, task_decode,
-                       task_evaluate, task_items, task_record)
+from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv_cache_bytes, rank_items,
+                       synthetic_heldout, task_decode, task_evaluate, task_items, task_record)
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
                     weights_fingerprint)
@@ -119,6 +119,9 @@ class Run:
     """Where to keep the compiled code on the storage after the first step (None without `parallel.compile`, or
     when this attempt loaded it from there)."""
     latest_checkpoint: str | None = None
+    baseline: PendingTaskEval | None = None
+    """The task baseline's decoding, begun in `build` beside the data's tokenizing (`start_baseline`); None when
+    it was not (no room on the device beside it, or none due): then it is decoded at step 0."""
     final_eval: float | None = None
     task_results: list[dict] = field(default_factory=list)
 
@@ -157,17 +160,14 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     checkpoint_lib.write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
-    # ---- Tokenizer and data: every rank builds the same packed blocks, then reads only its shard of them.
+    # ---- Tokenizer, then the model (as loaded, or seeded), then the data: a fresh run's task baseline decodes
+    # on a plain copy of that model while the data is tokenized, on a device busy with nothing else
+    # (`start_baseline`). Every rank gets the same packed blocks and reads only its shard of them.
     with timeline.phase("data"):
         tokenizer_json = loop_config.tokenizer_json
         tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
-        dataset, data_cache = data_lib.build_once(cfg.data, cfg.train, tokenizer, run_dir)
-    weights = in_background(weights_fingerprint, cfg.model) if record else dict
-    if record:
-        tokenizer_sha = (dataset.fingerprint.get("tokenizer") or {}).get("sha256")
-        evidence.update_record(run_dir, record, dataset=dataset.fingerprint, tokenizer_sha256=tokenizer_sha)
-
-    # ---- Model: seeded init (or the pretrained weights) on the device, then FSDP2 shards it across the ranks.
+    with timeline.phase("resume"):
+        resume_from, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
     with timeline.phase("model"):
         cache_uri = compile_cache.cache_uri(cfg, device) if cfg.parallel.compile else None
         cache_state = compile_cache.load(cache_uri) if cache_uri else None  # before anything compiles
@@ -175,9 +175,26 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
             lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
         arch = lm.config
         n_params = sum(p.numel() for p in lm.parameters())
+        unsharded = CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend)
+    baseline: list[PendingTaskEval] = []
+    baseline_due = resume_from is None and cfg.eval.task and cfg.eval.task_at_start
+
+    def start_baseline_on(examples: list[dict]) -> None:
+        baseline.extend(start_baseline(unsharded, tokenizer, task_items(examples, cfg.data, tokenizer), cfg, rank,
+                                       world, device, bf16))
+
+    with timeline.phase("data"):
+        dataset, data_cache = data_lib.build_once(cfg.data, cfg.train, tokenizer, run_dir,
+                                                  start_baseline_on if baseline_due else None)
+    weights = in_background(weights_fingerprint, cfg.model) if record else dict
+    if record:
+        tokenizer_sha = (dataset.fingerprint.get("tokenizer") or {}).get("sha256")
+        evidence.update_record(run_dir, record, dataset=dataset.fingerprint, tokenizer_sha256=tokenizer_sha)
+
+    # ---- FSDP2 shards the model across the ranks.
+    with timeline.phase("model"):
         mesh = device_mesh(device.type, world, cfg.parallel.shard_group_size)
-        model = parallelize(CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend), cfg.parallel,
-                            mesh, bf16)
+        model = parallelize(unsharded, cfg.parallel, mesh, bf16)
         optimizer, schedule = build_optimizer(model, cfg.train, device)
         identity = checkpoint_lib.run_identity(cfg, world, dataset.fingerprint)
         checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, device, identity)
@@ -185,7 +202,6 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     # ---- Resume: the run's latest complete checkpoint (or checkpoint.resume's), resharded onto this world size.
     start_step, start_micro, resumed, data_exact = 0, 0, None, True
     with timeline.phase("resume"):
-        resume_from, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
         if resume_from is not None:
             resumed = checkpoint_lib.restore(resume_from, model, optimizer, cfg, identity)
             start_step = resumed["step"]
@@ -207,7 +223,7 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
               compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
-              latest_checkpoint=resume_from)
+              latest_checkpoint=resume_from, baseline=baseline[0] if baseline else None)
     run.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
              "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint,
              "data_cache": data_cache, "compile_cache": cache_state})
@@ -227,14 +243,14 @@ def train(run: Run) -> None:
     logs, evaluations and checkpoints at their intervals (each timed as its own phase, the rest is training)."""
     cfg, device, world = run.cfg, run.device, run.world
     if run.start_step == 0:  # the untrained baselines that later evaluations are read against
-        # The task's decoding (device-bound: ~10 s for Qwen2.5-1.5B on GSM8K's test split on one H200) runs
-        # beside the first held-out evaluation, which compiles the forward (~13 s alone). Together they took
-        # ~20 s against ~23 s one after the other (runs 24-25, docs/benchmarks.md).
-        baseline = start_task_eval(run) if cfg.eval.task and cfg.eval.task_at_start else None
+        baseline = run.baseline
+        if baseline is None and cfg.eval.task and cfg.eval.task_at_start:
+            baseline = decode_now(run)
         if cfg.eval.every_steps:
             log_eval(run, 0)
         if baseline is not None:
             finish_task_eval(run, 0, baseline)
+            run.baseline = None
     # Running sums since the last log, kept on the device: reading them (.item()) is the only host sync.
     loss_sum = torch.zeros((), device=device)
     target_sum = torch.zeros((), device=device)
@@ -379,69 +395,81 @@ def run_task_eval(run: Run, step: int, lm: PreTrainedModel | None = None) -> Non
         lm = lm if lm is not None else unsharded_copy(run)
         result = task_evaluate(lm, run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world, run.device, step)
         result["seconds"] = time.perf_counter() - start
-    run.task_results.append(result)
-    run.log(result)
+    log_task_eval(run, result)
 
 
 @dataclass
 class PendingTaskEval:
-    """A task decoding `start_task_eval` began: in a thread (`background`; `wait` joins it) or already done."""
+    """A task decoding begun: in a thread (`background`; `wait` joins it) or already done."""
 
     wait: Callable[[], TaskShare]
     background: bool
 
 
-def start_task_eval(run: Run) -> PendingTaskEval:
-    """Starts this rank's task decoding on an unsharded copy of the model as it is now (gathered here:
-    collective), in a thread when the device has room for its KV cache beside the work that goes on meanwhile
-    (`room_to_decode_beside`), else at once; `finish_task_eval` collects it.
+def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, items: list[dict],
+                   cfg: config_lib.RunConfig, rank: int, world: int, device: torch.device,
+                   bf16: bool) -> list[PendingTaskEval]:
+    """The task baseline (the model before any step) decoding in a thread on a plain copy of `model`, which is
+    not sharded yet (no collective), when the device has room for it beside the work that goes on meanwhile
+    (`room_to_decode_beside`): `[pending]`, or `[]` without room (then `decode_now` decodes it at step 0).
 
-    The thread makes no collective call, so the ranks' collectives stay in one order whichever way each ran."""
+    Beside the data's tokenizing (host work) the decoding has the device to itself. Beside the first held-out
+    evaluation, which compiles the forward, each slowed the other: 20 s together against 23 s one after the
+    other (runs 24-26, docs/benchmarks.md); the compiler's kernel benchmarks wait for the device, which the
+    decoding keeps busy. The thread makes no collective call, so the ranks' collectives stay in one order."""
+    lm = gathered_copy(model, torch.bfloat16 if bf16 else torch.float32, device)
+    if not room_to_decode_beside(device, lm, tokenizer, items, cfg.eval, rank, world):
+        return []
+    return [PendingTaskEval(in_background(task_decode, lm, tokenizer, items, cfg.eval, rank, world, device),
+                            background=True)]
+
+
+def decode_now(run: Run) -> PendingTaskEval:
+    """This rank's task decoding on an unsharded copy of the model as it is now (gathered: collective), done at
+    once, for `finish_task_eval`."""
     with run.timeline.phase("task_eval"):
-        lm = unsharded_copy(run)
-        args = (lm, run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world, run.device)
-        if room_to_decode_beside(run, lm):
-            return PendingTaskEval(in_background(task_decode, *args), background=True)
-        share = task_decode(*args)
-        return PendingTaskEval(lambda: share, background=False)
+        share = task_decode(unsharded_copy(run), run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world,
+                            run.device)
+    return PendingTaskEval(lambda: share, background=False)
 
 
 def finish_task_eval(run: Run, step: int, pending: PendingTaskEval) -> None:
-    """Waits for the decoding `start_task_eval` began and logs the task evaluation at `step` (collective). A
-    background decoding is charged to the `task_eval` phase only for the wait: the record's `seconds` is the
-    decoding's own, `overlapped_s` the part of it that overlapped other phases."""
+    """Waits for the decoding `pending` and logs the task evaluation at `step` (collective). A background
+    decoding is charged to the `task_eval` phase only for the wait: the record's `seconds` is the decoding's own,
+    `overlapped_s` the part of it that overlapped other phases."""
     with run.timeline.phase("task_eval"):
         start = time.perf_counter()
         share = pending.wait()
         result = task_record(share, run.cfg.eval, run.device, step)
     waited = time.perf_counter() - start
     overlapped = max(0.0, share.seconds - waited) if pending.background else 0.0
-    result.update(seconds=share.seconds, overlapped_s=overlapped)
+    log_task_eval(run, {**result, "seconds": share.seconds, "overlapped_s": overlapped})
+
+
+def log_task_eval(run: Run, result: dict) -> None:
     run.task_results.append(result)
     run.log(result)
 
 
 DECODE_HEADROOM = 0.25
 """Share of the device's memory kept free beside a background decoding's KV cache, for what runs meanwhile
-(the first held-out forward: one micro-batch's activations, and the compiler's scratch)."""
+(sharding the model, the first held-out forward: one micro-batch's activations, and the compiler's scratch)."""
 
 
-def room_to_decode_beside(run: Run, lm: PreTrainedModel) -> bool:
-    """Whether a task decoding fits beside other work: on CPU always; on a GPU when twice its largest batch's
-    KV cache (the cache and the prefill's passing activations) leaves `DECODE_HEADROOM` of the device free."""
-    if run.device.type != "cuda":
+def room_to_decode_beside(device: torch.device, lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                          items: list[dict], eval_cfg: config_lib.EvalConfig, rank: int, world: int) -> bool:
+    """Whether this rank's task decoding by `lm` fits beside other work: on CPU always; on a GPU when twice its
+    largest batch's KV cache (the cache and the prefill's passing activations) leaves `DECODE_HEADROOM` of the
+    device free. (Tokenizing the prompts here, before the thread starts, also leaves the tokenizer in the state
+    both threads then use it in.)"""
+    if device.type != "cuda":
         return True
-    eval_cfg, config = run.cfg.eval, lm.config
-    items = run.task_items[: eval_cfg.task_max_examples or None][run.rank :: run.world]
-    batch = min(eval_cfg.task_batch_size, len(items))
-    longest = max((len(ids) for ids in run.tokenizer([x["prompt"] for x in items], add_special_tokens=False)["input_ids"]),
-                  default=0)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    cache = (2 * config.num_hidden_layers * batch * (longest + eval_cfg.task_max_new_tokens) * kv_heads * head_dim
-             * lm.dtype.itemsize)
-    free, total = torch.cuda.mem_get_info(run.device)
-    free += torch.cuda.memory_reserved(run.device) - torch.cuda.memory_allocated(run.device)
+    mine = rank_items(items, eval_cfg, rank, world)
+    longest = max(len(ids) for ids in tokenizer([x["prompt"] for x in mine], add_special_tokens=False)["input_ids"])
+    cache = kv_cache_bytes(lm.config, min(eval_cfg.task_batch_size, len(mine)), longest + eval_cfg.task_max_new_tokens,
+                           lm.dtype)
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return free - 2 * cache >= DECODE_HEADROOM * total
 
 

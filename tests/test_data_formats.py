@@ -305,6 +305,23 @@ def test_build_once_reads_back_what_it_built_and_rebuilds_for_other_settings(tok
     assert len(list((tmp_path / "run" / D.DATA_CACHE).iterdir())) == 3
 
 
+def test_build_once_hands_over_the_heldout_rows_before_tokenizing_or_once_read(tokenizer, tmp_path, monkeypatch):
+    """The task baseline starts on the held-out rows while the data is tokenized: the rank that builds gets them
+    before any tokenizing, a rank (or attempt) that reads the file gets the same rows from it."""
+    cfg = data_cfg(format="prompt_completion", columns={"prompt": "question", "completion": "answer"},
+                   train=str(GSM8K / "train.jsonl"), validation=str(GSM8K / "test.jsonl"), max_rows=20)
+    events, tokenize = [], D.tokenize
+    monkeypatch.setattr(D, "tokenize", lambda *a: events.append("tokenize") or tokenize(*a))
+    rows = []
+    on_rows = lambda r: (events.append("rows"), rows.append(r))  # noqa: E731
+    built, how = D.build_once(cfg, config_lib.TrainConfig(seq_len=64), tokenizer, str(tmp_path), on_rows)
+    assert how == "built" and events == ["rows", "tokenize", "tokenize"]
+    assert rows[0] == built.validation_examples and len(rows[0]) == 20 and "completion" in rows[0][0]
+    events.clear()
+    _, how = D.build_once(cfg, config_lib.TrainConfig(seq_len=64), tokenizer, str(tmp_path), on_rows)
+    assert how == "read" and events == ["rows"] and rows[1] == rows[0]
+
+
 def test_missing_path_fails_fast_in_the_driver_naming_the_source(tmp_path):
     start = time.monotonic()
     proc = subprocess.run(

@@ -243,12 +243,13 @@ def one_rank(tmp_path):
 
 
 def _baseline_run(tmp_path, records):
-    """What `train.start_task_eval` / `finish_task_eval` read of a `train.Run`: a tiny random Qwen2 as the
-    unsharded copy, BPE-tokenized GSM8K-style items, on CPU."""
+    """What `train.start_baseline`, `decode_now` and `finish_task_eval` read of a `train.Run`: a tiny random Qwen2
+    (`model`, not sharded), BPE-tokenized GSM8K-style items, on CPU."""
     from types import SimpleNamespace
 
     from job import data as D
     from job.metrics import Timeline
+    from job.model import CausalLMWithLoss
     from tests.test_generate import tiny_lm
 
     tok = D.train_bpe_tokenizer([f"Question: what is {i} + 4?\nAnswer: #### {i + 4}" for i in range(20)], 64)
@@ -260,23 +261,20 @@ def _baseline_run(tmp_path, records):
     lm.config.eos_token_id = tok.eos_token_id
     device = torch.device("cpu")
     return SimpleNamespace(cfg=cfg, tokenizer=tok, task_items=items, rank=0, world=1, device=device,
-                           timeline=Timeline(0.0, device), task_results=[], log=records.append, lm=lm)
+                           timeline=Timeline(0.0, device), task_results=[], log=records.append,
+                           model=CausalLMWithLoss(lm))
 
 
-@pytest.mark.parametrize("beside", [True, False])
-def test_the_task_baseline_decodes_beside_other_work_and_is_charged_only_its_wait(tmp_path, monkeypatch, one_rank,
-                                                                                    beside):
-    """In a thread while the main thread works (the first held-out evaluation), or at once where the device
-    lacks room: the same record either way; the `task_eval` phase holds the gather and the wait, not the
-    decoding that overlapped."""
+def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_path, monkeypatch, one_rank):
+    """`start_baseline` decodes on a copy of the not yet sharded model in a thread while the main thread works
+    (the data's tokenizing); `finish_task_eval` charges the `task_eval` phase only the wait. `decode_now` (no
+    room beside) decodes at once, inside the phase: the same record either way."""
     import threading
 
     from job import train
 
     records = []
     run = _baseline_run(tmp_path, records)
-    monkeypatch.setattr(train, "unsharded_copy", lambda r: r.lm)
-    monkeypatch.setattr(train, "room_to_decode_beside", lambda r, lm: beside)
     threads, decoded = [], threading.Event()
     decode = train.task_decode
 
@@ -287,35 +285,34 @@ def test_the_task_baseline_decodes_beside_other_work_and_is_charged_only_its_wai
         return share
 
     monkeypatch.setattr(train, "task_decode", task_decode)
-    waiter = train.start_task_eval(run)
-    assert decoded.wait(timeout=300)  # the held-out evaluation would run meanwhile; here the main thread waits
-    train.finish_task_eval(run, 0, waiter)
+    (pending,) = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, 0, 1, run.device, bf16=False)
+    assert pending.background and decoded.wait(timeout=300)  # the data would be tokenized meanwhile
+    train.finish_task_eval(run, 0, pending)
 
     (record,) = records
-    assert (threads[0] is not threading.main_thread()) == beside
+    assert threads[0] is not threading.main_thread()
     assert record["kind"] == "task_eval" and record["step"] == 0 and record["n"] == 5 and len(record["examples"]) == 5
     assert record["decode"] == "eager" and record["decode_steps"] > 0
     assert record["seconds"] > 0 and run.task_results == [record]
-    if beside:  # done before the wait: all of it overlapped, and the phase holds none of it
-        assert record["overlapped_s"] == pytest.approx(record["seconds"], abs=0.05)
-        assert run.timeline.seconds["task_eval"] < 0.5
-    else:  # decoded at once, inside the phase
-        assert record["overlapped_s"] == 0.0
-        assert run.timeline.seconds["task_eval"] >= record["seconds"]
-    if beside:
-        records.clear()
-        monkeypatch.setattr(train, "room_to_decode_beside", lambda r, lm: False)
-        train.finish_task_eval(run, 0, train.start_task_eval(run))
-        same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "overlapped_s")}  # noqa: E731
-        assert same(records[0]) == same(record)
+    # Done before the wait: all of it overlapped, and the phase holds none of it.
+    assert record["overlapped_s"] == pytest.approx(record["seconds"], abs=0.05)
+    assert run.timeline.seconds["task_eval"] < 0.5
+
+    records.clear()
+    monkeypatch.setattr(train, "unsharded_copy", lambda r: r.model.lm)
+    train.finish_task_eval(run, 0, train.decode_now(run))
+    assert threads[1] is threading.main_thread()
+    assert records[0]["overlapped_s"] == 0.0 and run.timeline.seconds["task_eval"] >= records[0]["seconds"]
+    same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "overlapped_s")}  # noqa: E731
+    assert same(records[0]) == same(record)
 
 
 def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_headroom(tmp_path, monkeypatch):
     from job import train
 
     run = _baseline_run(tmp_path, [])
-    run.device = torch.device("cuda", 0)  # only a name here: the memory figures are the patched ones below
-    config = run.lm.config
+    lm, cuda = run.model.lm, torch.device("cuda", 0)  # only a name here: the memory figures are the patched ones
+    config = lm.config
     longest = max(len(run.tokenizer(x["prompt"], add_special_tokens=False)["input_ids"]) for x in run.task_items)
     # Batches of 2: per layer, keys and values of 2 rows x (prompt + 20 new tokens) x kv heads x head dim, fp32.
     cache = 2 * config.num_hidden_layers * 2 * (longest + 20) * config.num_key_value_heads * \
@@ -325,8 +322,8 @@ def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_head
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * cache)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * cache - cached_unused)
     needed = 2 * cache + train.DECODE_HEADROOM * total
+    room = lambda device: train.room_to_decode_beside(device, lm, run.tokenizer, run.task_items, run.cfg.eval, 0, 1)  # noqa: E731
     for free, fits in ((needed - cached_unused, True), (needed - cached_unused - 1, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))
-        assert train.room_to_decode_beside(run, run.lm) is fits
-    run.device = torch.device("cpu")
-    assert train.room_to_decode_beside(run, run.lm)
+        assert room(cuda) is fits
+    assert room(torch.device("cpu"))
