@@ -153,8 +153,9 @@ def export_due(run: Run) -> bool:
 
 def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
           timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
-    """Tokenizer and data, model (FSDP2-sharded), optimizer, and the resume point. Returns the run and a function
-    that returns the weights fingerprint (hashed in a background thread on rank 0: gigabytes take seconds)."""
+    """Tokenizer, model, data (a fresh run's task baseline decoding beside it), FSDP2 sharding, optimizer, and the
+    resume point. Returns the run and a function that returns the weights fingerprint (hashed in a background
+    thread on rank 0: gigabytes take seconds)."""
     cfg, run_dir = loop_config.cfg, loop_config.run_dir
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoint_lib.write_pid(run_dir, rank)
