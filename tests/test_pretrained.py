@@ -82,6 +82,8 @@ def test_pretrained_weights_are_loaded_and_fine_tuning_lowers_the_loss(reference
     assert train[-1]["loss"] < train[0]["loss"], train
     before, after = _records(reference, "task_eval")
     assert (before["step"], after["step"]) == (0, MAX_STEPS) and before["n"] == after["n"] == 4
+    # The baseline decoded in a thread begun in `build`, beside the data's tokenizing (decoded at step 0: 0.0).
+    assert before["overlapped_s"] > 0 and "overlapped_s" not in after
     record = evidence.load_record(reference)
     provenance = json.load(open(smollm2 / "PROVENANCE.json"))
     assert record["weights"]["files"]["model.safetensors"] == provenance["files"]["model.safetensors"]
