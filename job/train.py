@@ -244,14 +244,11 @@ def train(run: Run) -> None:
     logs, evaluations and checkpoints at their intervals (each timed as its own phase, the rest is training)."""
     cfg, device, world = run.cfg, run.device, run.world
     if run.start_step == 0:  # the untrained baselines that later evaluations are read against
-        baseline = run.baseline
-        if baseline is None and cfg.eval.task and cfg.eval.task_at_start:
-            baseline = decode_now(run)
+        baseline = baseline_at_step_0(run) if cfg.eval.task and cfg.eval.task_at_start else None
         if cfg.eval.every_steps:
             log_eval(run, 0)
         if baseline is not None:
             finish_task_eval(run, 0, baseline)
-            run.baseline = None
     # Running sums since the last log, kept on the device: reading them (.item()) is the only host sync.
     loss_sum = torch.zeros((), device=device)
     target_sum = torch.zeros((), device=device)
@@ -412,7 +409,7 @@ def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, 
                    bf16: bool) -> list[PendingTaskEval]:
     """The task baseline (the model before any step) decoding in a thread on a plain copy of `model`, which is
     not sharded yet (no collective), when the device has room for it beside the work that goes on meanwhile
-    (`room_to_decode_beside`): `[pending]`, or `[]` without room (then `decode_now` decodes it at step 0).
+    (`room_to_decode_beside`): `[pending]`, or `[]` without room (then `baseline_at_step_0` decodes it).
 
     Beside the data's tokenizing (host work) the decoding has the device to itself. Beside the first held-out
     evaluation, which compiles the forward, each slowed the other: 20 s together against 23 s one after the
@@ -425,12 +422,19 @@ def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, 
                             background=True)]
 
 
-def decode_now(run: Run) -> PendingTaskEval:
-    """This rank's task decoding on an unsharded copy of the model as it is now (gathered: collective), done at
-    once, for `finish_task_eval`."""
+def baseline_at_step_0(run: Run) -> PendingTaskEval:
+    """The task baseline's decoding: the one `build` began on this rank, or, when any rank had no room for it
+    there, decoded now, on a copy of the model that every rank gathers (collective: all ranks take part in the
+    gather if any rank needs it, so they stay in step)."""
+    missing = torch.tensor(float(run.baseline is None), device=run.device)
+    dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+    if not missing.item():
+        return run.baseline
     with run.timeline.phase("task_eval"):
-        share = task_decode(unsharded_copy(run), run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world,
-                            run.device)
+        lm = unsharded_copy(run)
+        if run.baseline is not None:
+            return run.baseline
+        share = task_decode(lm, run.tokenizer, run.task_items, run.cfg.eval, run.rank, run.world, run.device)
     return PendingTaskEval(lambda: share, background=False)
 
 

@@ -243,8 +243,8 @@ def one_rank(tmp_path):
 
 
 def _baseline_run(tmp_path, records):
-    """What `train.start_baseline`, `decode_now` and `finish_task_eval` read of a `train.Run`: a tiny random Qwen2
-    (`model`, not sharded), BPE-tokenized GSM8K-style items, on CPU."""
+    """What `train.start_baseline`, `baseline_at_step_0` and `finish_task_eval` read of a `train.Run`: a tiny random
+    Qwen2 (`model`, not sharded), BPE-tokenized GSM8K-style items, on CPU."""
     from types import SimpleNamespace
 
     from job import data as D
@@ -262,13 +262,13 @@ def _baseline_run(tmp_path, records):
     device = torch.device("cpu")
     return SimpleNamespace(cfg=cfg, tokenizer=tok, task_items=items, rank=0, world=1, device=device,
                            timeline=Timeline(0.0, device), task_results=[], log=records.append,
-                           model=CausalLMWithLoss(lm))
+                           model=CausalLMWithLoss(lm), baseline=None)
 
 
 def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_path, monkeypatch, one_rank):
     """`start_baseline` decodes on a copy of the not yet sharded model in a thread while the main thread works
-    (the data's tokenizing); `finish_task_eval` charges the `task_eval` phase only the wait. `decode_now` (no
-    room beside) decodes at once, inside the phase: the same record either way."""
+    (the data's tokenizing); `finish_task_eval` charges the `task_eval` phase only the wait. Without it (no room
+    beside), `baseline_at_step_0` decodes at once, inside the phase: the same record either way."""
     import threading
 
     from job import train
@@ -298,9 +298,13 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
     assert record["overlapped_s"] == pytest.approx(record["seconds"], abs=0.05)
     assert run.timeline.seconds["task_eval"] < 0.5
 
+    run.baseline = pending
+    monkeypatch.setattr(train, "unsharded_copy", lambda r: pytest.fail("gathered a copy"))
+    assert train.baseline_at_step_0(run) is pending and len(threads) == 1  # nothing gathered, nothing decoded
     records.clear()
     monkeypatch.setattr(train, "unsharded_copy", lambda r: r.model.lm)
-    train.finish_task_eval(run, 0, train.decode_now(run))
+    run.baseline = None
+    train.finish_task_eval(run, 0, train.baseline_at_step_0(run))
     assert threads[1] is threading.main_thread()
     assert records[0]["overlapped_s"] == 0.0 and run.timeline.seconds["task_eval"] >= records[0]["seconds"]
     same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "overlapped_s")}  # noqa: E731
@@ -327,3 +331,67 @@ def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_head
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))
         assert room(cuda) is fits
     assert room(torch.device("cpu"))
+
+
+def _baseline_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One spawned rank of `test_a_rank_without_room_for_the_baseline_...`: rank 0 began its baseline in `build`,
+    rank 1 had no room; a copy is "gathered" by an all-reduce, so a rank gathering alone would block."""
+    import datetime
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from job import train
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        records = []
+        run = _baseline_run(Path(out_dir), records)
+        run.rank, run.world = rank, world
+        if rank == 0:
+            (run.baseline,) = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, rank, world,
+                                                   run.device, bf16=False)
+        gathered = []
+
+        def unsharded_copy(r):
+            dist.all_reduce(torch.ones(1))
+            gathered.append(rank)
+            return r.model.lm
+
+        train.unsharded_copy = unsharded_copy
+        pending = train.baseline_at_step_0(run)
+        train.finish_task_eval(run, 0, pending)
+        out = {"gathered": len(gathered), "background": pending.background, "n": records[0]["n"]}
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def test_a_rank_without_room_for_the_baseline_makes_every_rank_gather_with_it(tmp_path):
+    """The ranks stay in step: when one rank could not begin the baseline beside the build, every rank takes part
+    in gathering the copy it decodes on (those with their own decoding then drop it)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(_baseline_rank, args=(2, port, str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
+    try:
+        while not ctx.join(timeout=5):
+            pass
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [o["gathered"] for o in outs] == [1, 1]
+    assert [o["background"] for o in outs] == [True, False]
+    assert [o["n"] for o in outs] == [5, 5]
