@@ -177,12 +177,13 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         arch = lm.config
         n_params = sum(p.numel() for p in lm.parameters())
         unsharded = CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend)
-    baseline: list[PendingTaskEval] = []
+    baseline: PendingTaskEval | None = None
     baseline_due = resume_from is None and cfg.eval.task and cfg.eval.task_at_start
 
     def start_baseline_on(examples: list[dict]) -> None:
-        baseline.extend(start_baseline(unsharded, tokenizer, task_items(examples, cfg.data, tokenizer), cfg, rank,
-                                       world, device, bf16))
+        nonlocal baseline
+        baseline = start_baseline(unsharded, tokenizer, task_items(examples, cfg.data, tokenizer), cfg, rank, world,
+                                  device, bf16)
 
     with timeline.phase("data"):
         dataset, data_cache = data_lib.build_once(cfg.data, cfg.train, tokenizer, run_dir,
@@ -224,7 +225,7 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
               compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
-              latest_checkpoint=resume_from, baseline=baseline[0] if baseline else None)
+              latest_checkpoint=resume_from, baseline=baseline)
     run.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
              "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint,
              "data_cache": data_cache, "compile_cache": cache_state})
@@ -406,10 +407,10 @@ class PendingTaskEval:
 
 def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, items: list[dict],
                    cfg: config_lib.RunConfig, rank: int, world: int, device: torch.device,
-                   bf16: bool) -> list[PendingTaskEval]:
+                   bf16: bool) -> PendingTaskEval | None:
     """The task baseline (the model before any step) decoding in a thread on a plain copy of `model`, which is
     not sharded yet (no collective), when the device has room for it beside the work that goes on meanwhile
-    (`room_to_decode_beside`): `[pending]`, or `[]` without room (then `baseline_at_step_0` decodes it).
+    (`room_to_decode_beside`); None without room (then `baseline_at_step_0` decodes it).
 
     Beside the data's tokenizing (host work) the decoding has the device to itself. Beside the first held-out
     evaluation, which compiles the forward, each slowed the other: 20 s together against 23 s one after the
@@ -417,9 +418,9 @@ def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, 
     decoding keeps busy. The thread makes no collective call, so the ranks' collectives stay in one order."""
     lm = gathered_copy(model, torch.bfloat16 if bf16 else torch.float32, device)
     if not room_to_decode_beside(device, lm, tokenizer, items, cfg.eval, rank, world):
-        return []
-    return [PendingTaskEval(in_background(task_decode, lm, tokenizer, items, cfg.eval, rank, world, device),
-                            background=True)]
+        return None
+    return PendingTaskEval(in_background(task_decode, lm, tokenizer, items, cfg.eval, rank, world, device),
+                           background=True)
 
 
 def baseline_at_step_0(run: Run) -> PendingTaskEval:
@@ -465,12 +466,12 @@ def room_to_decode_beside(device: torch.device, lm: PreTrainedModel, tokenizer: 
                           items: list[dict], eval_cfg: config_lib.EvalConfig, rank: int, world: int) -> bool:
     """Whether this rank's task decoding by `lm` fits beside other work: on CPU always; on a GPU when twice its
     largest batch's KV cache (the cache and the prefill's passing activations) leaves `DECODE_HEADROOM` of the
-    device free. (Tokenizing the prompts here, before the thread starts, also leaves the tokenizer in the state
-    both threads then use it in.)"""
-    if device.type != "cuda":
-        return True
+    device free. (Tokenizing the prompts here, on every device before the thread starts, also leaves the
+    tokenizer in the state both threads then use it in.)"""
     mine = rank_items(items, eval_cfg, rank, world)
     longest = max(len(ids) for ids in tokenizer([x["prompt"] for x in mine], add_special_tokens=False)["input_ids"])
+    if device.type != "cuda":
+        return True
     cache = kv_cache_bytes(lm.config, min(eval_cfg.task_batch_size, len(mine)), longest + eval_cfg.task_max_new_tokens,
                            lm.dtype)
     free, total = torch.cuda.mem_get_info(device)

@@ -285,7 +285,7 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
         return share
 
     monkeypatch.setattr(train, "task_decode", task_decode)
-    (pending,) = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, 0, 1, run.device, bf16=False)
+    pending = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, 0, 1, run.device, bf16=False)
     assert pending.background and decoded.wait(timeout=300)  # the data would be tokenized meanwhile
     train.finish_task_eval(run, 0, pending)
 
@@ -353,8 +353,8 @@ def _baseline_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         run = _baseline_run(Path(out_dir), records)
         run.rank, run.world = rank, world
         if rank == 0:
-            (run.baseline,) = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, rank, world,
-                                                   run.device, bf16=False)
+            run.baseline = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, rank, world,
+                                                run.device, bf16=False)
         gathered = []
 
         def unsharded_copy(r):
