@@ -19,6 +19,9 @@
 #       (default: hf,hf-liger,best-cudnn,best-fp8,hf-liger-b8,best-b8-cudnn,best-b8-fp8), all within BUDGET seconds
 #       (default 450; variants in order, what does not fit is skipped, so the call ends before 8 minutes); the runs
 #       go to /dev/shm when it has room for a checkpoint. Carry .whl (with liger-kernel and torchao).
+#   scripts/device-bench.sh layers [ARGS]                        ONE GPU: issue 19's kernel levers on the decoder layers
+#       alone (scripts/bench_layers.py ARGS): SDPA/cuDNN, FlashAttention-4, quack's and Liger's SwiGLU, one table.
+#       Carry .whl; the CuTe-DSL bundle must be in /tmp/cute-parts (scripts/device-env.sh, device_cute_install).
 # Results (JSON rows and logs) go to $OUT (the device tool's output folder) or /tmp/bench-out. BENCH_ARGS adds
 # arguments to every benchmark call, e.g. BENCH_ARGS="--profile-step 12 --timeout 400".
 set -uo pipefail
@@ -47,6 +50,10 @@ case "${1:-1gpu}" in
     "${bench[@]}" --gpus 1 --budget "${BUDGET:-450}" "${workdir[@]}" --out "$out/issue19.json" \
       --only "${2:-hf,hf-liger,best-cudnn,best-fp8,hf-liger-b8,best-b8-cudnn,best-b8-fp8}" >"$out/issue19.log" 2>&1
     echo "exit $? ${workdir[*]}"; grep -v '^{' "$out/issue19.log" | tail -n 10 ;;
+  layers)
+    device_cute_install || exit 1
+    python3 -c "import flash_attn.cute, quack; from importlib.metadata import version as v; print('flash-attn-4', v('flash-attn-4'), 'quack', v('quack-kernels'), 'cutlass-dsl', v('nvidia-cutlass-dsl'))"
+    python3 scripts/bench_layers.py --out "$out/layers.json" "${@:2}" 2>&1 | tee "$out/layers.log" | grep -v '^{' | tail -n 16 ;;
   2gpu)
     "${bench[@]}" --gpus 2 --only "${2:-hf,compile-no-reshard,best,best-ray}" --out "$out/gpu2.json" 2>&1 | tee "$out/gpu2.log" | tail -n 8 ;;
   gsm8k)

@@ -53,6 +53,24 @@ for name, extras in want.items():
 print("device-env: requirements " + ("OK" if not bad else "UNMET:\n  " + "\n  ".join(bad)))
 EOF
 
+# The CuTe-DSL kernels of issue 19's levers (FlashAttention-4, quack): `bash scripts/device-wheels.sh cute` here
+# makes .cute/part.00 and .cute/part.01, 50 MiB each. Carry them in two calls back to back (the machine keeps /tmp
+# while warm), each `carry [".cute/part.NN", ".cute/whl.tar.sha256"]` with the command
+# `mkdir -p /tmp/cute-parts && cp .cute/part.NN .cute/whl.tar.sha256 /tmp/cute-parts/`. Then, in a later call,
+# `device_cute_install` joins the parts, checks the sha256, installs the wheels into /tmp/cute (once per warm
+# machine) and puts it on PYTHONPATH.
+device_cute_install() {
+  if [ ! -f /tmp/cute/.installed ]; then
+    (cd /tmp/cute-parts && cat part.* > whl.tar && sha256sum -c --quiet whl.tar.sha256 && tar -xf whl.tar) \
+      || { echo "device-env: the CuTe-DSL parts in /tmp/cute-parts are missing or do not match" >&2; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cute \
+      /tmp/cute-parts/whl/*.whl || { echo "device-env: CuTe-DSL install failed" >&2; return 1; }
+    touch /tmp/cute/.installed
+  fi
+  # The DSL's own modules (`cutlass`) sit in a folder that its .pth file adds in a site directory; /tmp/cute is not one.
+  export PYTHONPATH=/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+}
+
 # Smoke test, run on demand: `device_ray_check [num_workers]`. Starts Ray locally, runs a Ray
 # Train V2 TorchTrainer with one worker per GPU (gloo on CPU-only hosts), all-reduces
 # rank+1 over NCCL and prints, per worker, the sum (= n(n+1)/2) and the NVLink-multicast

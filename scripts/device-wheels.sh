@@ -14,6 +14,13 @@
 # the device stays under its 64 MiB limit. See docs/device.md.
 #
 # Usage (repo root, on the dev machine, needs PyPI):  bash scripts/device-wheels.sh
+#
+# `bash scripts/device-wheels.sh cute` instead fetches the CuTe-DSL kernels of issue 19's levers into .cute/:
+# FlashAttention-4 (`flash-attn-4`, transformers' attn_implementation `flash_attention_4`) and quack (GEMMs with
+# a SwiGLU epilogue), with NVIDIA's CuTe DSL (its CUDA-13 compiler library alone is a 92 MB wheel) and the
+# small packages they need that the image lacks. 98 MB in all, over one call's 64 MiB: they are tarred and
+# split into .cute/part.00 and .cute/part.01 (with .cute/whl.tar.sha256), carried in two calls and joined,
+# checked and installed there by `device_cute_install` (scripts/device-env.sh; docs/device.md, "CuTe-DSL kernels").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -56,13 +63,33 @@ PKGS=(
   torchao==0.18.0
 )
 
-mkdir -p "$DEST"
-"$PY" -m pip download -q --no-deps --only-binary=:all: \
-  --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux1_x86_64 --platform any \
-  -d "$DEST" "${PKGS[@]}"
+download() {  # download DIR PACKAGE...: cp312 manylinux x86_64 wheels, no dependencies
+  mkdir -p "$1"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 --platform any \
+    -d "$1" "${@:2}"
+}
+
+if [ "${1:-}" = cute ]; then
+  # The image has cuda-bindings, einops, protobuf and typing-extensions; the CUDA-13 libraries match its
+  # torch 2.11+cu130. torch-c-dlpack-ext is optional to apache-tvm-ffi (its addons stop at torch 2.9). The DSL is
+  # 4.7.1, not the newest: quack 0.6.5 cannot fingerprint the epilogues it builds against 4.8.1 (a ContextVar in
+  # the DSL, `_LOC_TRANSFORMS`, has no "semantic key": run 32). 4.7.1's nvdisasm requirement is for dumping SASS.
+  CUTE=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1
+    nvidia-cutlass-dsl-libs-base==4.7.1 nvidia-cutlass-dsl-libs-core==4.7.1 nvidia-cutlass-dsl-libs-cu13==4.7.1
+    apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5)
+  download .cute/whl "${CUTE[@]}"
+  rm -f .cute/part.*
+  tar -C .cute -cf .cute/whl.tar whl
+  (cd .cute && sha256sum whl.tar > whl.tar.sha256 && split -b 52428800 -d -a 2 whl.tar part. && rm whl.tar)
+  ls -l .cute/part.* && cat .cute/whl.tar.sha256
+  exit 0
+fi
+
+download "$DEST" "${PKGS[@]}"
 
 # Slim the ray and torchao wheels: drop ray/jars/ and *.js.map, torchao/_C*.so, and their
 # RECORD lines (pip checks the hashes of the files it installs against RECORD, and files
