@@ -69,8 +69,8 @@ def documents(position_ids: torch.Tensor) -> dict:
 def register() -> str:
     """Registers `flash_attention_4` with transformers as `REGISTERED`, with flash attention's mask function (no
     mask is built without padding), and returns the name to build a model with."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import flash_attention_mask
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     AttentionInterface.register(REGISTERED, flash_attention_4)
     AttentionMaskInterface.register(REGISTERED, flash_attention_mask)

@@ -22,7 +22,7 @@
 #                                               prints the two-row table (scripts/fp8_parity.py). ~2.5-3 min per run at
 #                                               ~48k tokens/s; RECIPES "none" then "rowwise" in two calls also works
 #                                               (a finished run is not repeated while the machine stays warm)
-# Carry .whl (scripts/device-wheels.sh, plus gguf) for prepare, run and parity; .devdata/part.bin alone for receive.
+# Carry .whl (scripts/device-wheels.sh) for prepare, run and parity; .devdata/part.bin alone for receive.
 # Logs and results go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

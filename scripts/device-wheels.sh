@@ -35,6 +35,7 @@ DEST=.whl
 #   the tests' CUDA cases (python -m pytest tests/test_loss.py there): pytest -> iniconfig, pluggy, pygments
 #   issue 19: liger-kernel (needs torch and triton: the image's torch brings triton), torchao (no
 #   runtime dependencies; 0.18.0 is ABI-stable against torch >= 2.11, job/packages.py TORCHAO_VERSION)
+#   the pretrained weights (scripts/device-finetune.sh prepare): gguf, the GGUF reader (requirements-dev.txt's pin)
 # Already on the device, within the bounds (versions read there 2026-11-30): click filelock
 # msgpack packaging (26.3) protobuf (7.36.2) pyyaml requests attrs numpy (2.5.2) pandas
 # (3.0.6) pyarrow (25.0.1; datasets needs >=24) fsspec (2026.7.0; datasets needs <=2026.9.0)
@@ -61,6 +62,7 @@ PKGS=(
   pygments==2.21.0
   liger-kernel==0.8.5
   torchao==0.18.0
+  gguf==0.19.0
 )
 
 download() {  # download DIR PACKAGE...: cp312 manylinux x86_64 wheels, no dependencies
