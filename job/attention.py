@@ -53,9 +53,10 @@ def documents(position_ids: torch.Tensor) -> dict:
     """The keyword arguments that delimit the documents of packed rows once the rows are flattened into one.
 
     A document starts wherever the position id is 0 and at every row start (so rows never merge, whatever their
-    positions). `max_length_q` is the row length, an upper bound on a document's: a constant, so the compiled
-    layers need not recompile for other batches (the document count is marked dynamic for the same reason).
-    Finding the starts reads their count on the host: one sync per micro-batch.
+    positions). `max_length_q` is the longest document's length, exactly: with the row length as a bound instead,
+    FlashAttention-4 (4.0.0b36 on an H200, CuTe DSL 4.7.1) gave wrong outputs and gradients (run 33). The document
+    count is marked dynamic, so the compiled layers do not recompile for other batches (tests/test_attention.py).
+    Finding the starts and the longest reads them on the host: two syncs per micro-batch.
     """
     rows, length = position_ids.shape
     starts = position_ids == 0
@@ -63,7 +64,8 @@ def documents(position_ids: torch.Tensor) -> dict:
     cu = torch.nonzero(starts.flatten()).flatten().to(torch.int32)
     cu = torch.cat([cu, cu.new_tensor([rows * length])])
     torch._dynamo.maybe_mark_dynamic(cu, 0)
-    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=length, max_length_k=length)
+    longest = int(cu.diff().max())
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
 
 
 def register() -> str:

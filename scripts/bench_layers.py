@@ -202,7 +202,12 @@ def main() -> int:
               f"{r['peak_gib']:>6.1f} {r['warmup_s']:>9.1f}")
     if args.out:
         Path(args.out).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return 0
+    # Exit 1 when a variant failed or its input gradient is off by more than 5% of the reference's largest (bf16
+    # kernels that agree differ by ~1%: run 32).
+    wrong = [r for r in rows if "error" in r or r.get("max_abs_diff_dx", 0) > 0.05 * r.get("ref_abs_max_dx", 1)]
+    print(f"\n{len(wrong)} variant(s) failed or disagree with the reference: {[r['variant'] for r in wrong]}" if wrong
+          else "\nevery variant ran and agrees with the reference")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

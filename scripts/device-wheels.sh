@@ -77,11 +77,11 @@ download() {  # download DIR PACKAGE...: cp312 manylinux x86_64 wheels, no depen
 
 if [ "${1:-}" = cute ]; then
   # The image has cuda-bindings, einops, protobuf and typing-extensions; the CUDA-13 libraries match its
-  # torch 2.11+cu130. torch-c-dlpack-ext is optional to apache-tvm-ffi (its addons stop at torch 2.9). The DSL is
-  # 4.7.1, not the newest: quack 0.6.5 cannot fingerprint the epilogues it builds against 4.8.1 (a ContextVar in
-  # the DSL, `_LOC_TRANSFORMS`, has no "semantic key": run 32). 4.7.1's nvdisasm requirement is for dumping SASS.
-  CUTE=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1
-    nvidia-cutlass-dsl-libs-base==4.7.1 nvidia-cutlass-dsl-libs-core==4.7.1 nvidia-cutlass-dsl-libs-cu13==4.7.1
+  # torch 2.11+cu130. torch-c-dlpack-ext is optional to apache-tvm-ffi (its addons stop at torch 2.9). quack 0.6.5
+  # cannot fingerprint the GEMM epilogues it builds on either DSL tried (4.8.1: a ContextVar, run 32; 4.7.1: a
+  # Logger, run 33, "has no fail-closed semantic key"); FlashAttention-4 was faster and right on 4.8.1 (run 32).
+  CUTE=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1
+    nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1
     apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5)
   download .cute/whl "${CUTE[@]}"
   rm -f .cute/part.*

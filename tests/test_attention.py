@@ -56,7 +56,7 @@ def fake_kernels(monkeypatch):
 
 def packed_positions() -> torch.Tensor:
     """Rows of documents as `data.pack` makes them: positions restart at each document and at each row start."""
-    lengths = [[5, 11, 8], [24], [3, 3, 9, 9]]
+    lengths = [[5, 11, 8], [12, 12], [3, 3, 9, 9]]
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
 
 
@@ -69,9 +69,9 @@ def test_documents_are_where_positions_restart_and_every_row_starts():
     positions = packed_positions()
     positions[2, :3] = torch.arange(7, 10)  # a row that starts mid-document still starts a document
     bounds = attention.documents(positions)
-    assert bounds["cu_seq_lens_q"].tolist() == [0, 5, 16, 24, 48, 51, 54, 63, 72]
+    assert bounds["cu_seq_lens_q"].tolist() == [0, 5, 16, 24, 36, 48, 51, 54, 63, 72]
     assert bounds["cu_seq_lens_q"].dtype == torch.int32 and bounds["cu_seq_lens_k"] is bounds["cu_seq_lens_q"]
-    assert bounds["max_length_q"] == bounds["max_length_k"] == LENGTH
+    assert bounds["max_length_q"] == bounds["max_length_k"] == 12  # the longest document, not the row
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -104,14 +104,14 @@ def test_packed_documents_change_the_loss(fake_kernels):
 
 def test_new_documents_do_not_recompile_the_compiled_layers(fake_kernels, monkeypatch):
     """After the first batch (whose compiling includes the frames around the attention's graph break), batches
-    with other documents (another number of them) run on the same compiled code."""
+    with other documents (another number of them, another longest) run on the same compiled code."""
     torch._dynamo.reset()
     model = tiny(attention.NAME)
     layers = model.lm.base_model.layers
     for i, layer in enumerate(layers):
         layers[i] = torch.compile(layer, backend="eager")  # Dynamo's guards are what recompiles; no codegen needed
     g = torch.Generator().manual_seed(1)
-    for k, documents in enumerate(([[5, 11, 8], [24], [3, 3, 9, 9]], [[24], [12, 12], [24]], [[2] * 12, [1, 23], [20, 4]])):
+    for k, documents in enumerate(([[5, 11, 8], [12, 12], [3, 3, 9, 9]], [[24], [12, 12], [24]], [[2] * 12, [1, 23], [20, 4]])):
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", k > 0)
         positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in documents])
         ids = torch.randint(0, 4096, (ROWS, LENGTH), generator=g)
