@@ -65,11 +65,8 @@ class ModelConfig:
     train_tokenizer_vocab: Optional[int] = constrained(None, minimum=260)
     """Train a byte-level BPE tokenizer of this vocabulary size on the training text instead of loading one
     (for random-init models that have no tokenizer); it is saved in the run directory."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_4"] = "sdpa"
-    """Attention kernel passed to transformers. `flash_attention_4`: FlashAttention-4's kernels (package
-    `flash-attn-4`; Hopper or Blackwell GPUs, bf16), our implementation (job/attention.py): compiled layers
-    keep working, and packed documents attend only within themselves without masked work, so packed real data
-    trains faster (GSM8K rows: 14% less time per layer, run 32). Generation and the export's check use `sdpa`."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel passed to transformers."""
     sdpa_backend: Optional[Literal["flash", "cudnn", "efficient", "math"]] = None
     """Restrict PyTorch's scaled-dot-product attention to one backend (null: PyTorch chooses per call).
     `flash` takes no attention mask, so it cannot run packed documents."""
@@ -440,9 +437,6 @@ def validate(cfg: RunConfig) -> None:
         errors.append("model.preset: give either model.preset or model.path, not both")
     if m.sdpa_backend is not None and m.attn_implementation != "sdpa":
         errors.append(f"model.sdpa_backend: needs model.attn_implementation: sdpa, not {m.attn_implementation}")
-    if m.attn_implementation == "flash_attention_4" and (not cfg.scaling.use_gpu or cfg.parallel.mixed_precision == "fp32"):
-        errors.append("model.attn_implementation: flash_attention_4 needs scaling.use_gpu: true and bf16 compute "
-                      "(parallel.mixed_precision: auto or bf16): its kernels run on Hopper or Blackwell GPUs only")
     if m.train_tokenizer_vocab is not None and m.tokenizer is not None:
         errors.append("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
     if m.train_tokenizer_vocab is not None and m.train_tokenizer_vocab < 260:

@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import attention, packages
 from .architecture import hf_config
 from .config import ModelConfig, ParallelConfig
 from .data import IGNORE_INDEX
@@ -80,11 +79,7 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> PreT
     """
     from transformers import AutoModelForCausalLM
 
-    attn = cfg.attn_implementation
-    if attn == attention.NAME:
-        packages.require("flash_attn.cute", f"model.attn_implementation: {attn}")
-        attn = attention.register()
-    common = dict(attn_implementation=attn, dtype=torch.float32)
+    common = dict(attn_implementation=cfg.attn_implementation, dtype=torch.float32)
     if cfg.init == "pretrained":
         return AutoModelForCausalLM.from_pretrained(
             cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"), **cfg.overrides, **common
@@ -114,14 +109,9 @@ class CausalLMWithLoss(nn.Module):
 
     def _forward(self, input_ids, labels, position_ids=None):
         """`(loss_sum, n_targets)` of the next-token targets `labels`."""
-        bounds = {}
-        if position_ids is not None and self.lm.config._attn_implementation == attention.REGISTERED:
-            bounds = attention.documents(position_ids)
-            input_ids, labels, position_ids = (t.reshape(1, -1) for t in (input_ids, labels, position_ids))
         # No KV cache: with one, transformers skips the packed-sequence mask derived from position_ids and
         # attention would cross document boundaries.
-        hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                    **bounds).last_hidden_state
+        hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
         head = self.lm.get_output_embeddings()
         if self.loss_chunk_size:
@@ -138,20 +128,13 @@ def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.dev
     Collective: every rank all-gathers each parameter in turn (so the peak is one full parameter on top of the
     copy) and gets the whole model. Generation then runs on each rank on its own, without FSDP's per-layer hooks
     and collectives, so ranks need not stay in lockstep and can stop as soon as their sequences have ended.
-    The copy has its own config (`from_config` would share the LM's, and the copy's attention switches, here
-    and in `generate.use_grouped_decode`, would switch the training model's too). A model trained with
-    FlashAttention-4 gets SDPA: generation needs masks and a KV cache (job/attention.py).
     """
-    from copy import deepcopy
-
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     lm = model.lm
-    attn = lm.config._attn_implementation
     with torch.device("meta"):
-        copy = AutoModelForCausalLM.from_config(deepcopy(lm.config), dtype=dtype,
-                                                attn_implementation="sdpa" if attn == attention.REGISTERED else attn)
+        copy = AutoModelForCausalLM.from_config(lm.config, dtype=dtype, attn_implementation=lm.config._attn_implementation)
     copy.to_empty(device=device)
     # Names without the wrappers `parallelize` may add (torch.compile, activation checkpointing).
     plain = lambda name: name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")  # noqa: E731
@@ -212,6 +195,8 @@ def convert_to_float8(lm: nn.Module, recipe: str) -> list[str]:
     scaling (`rowwise` or `tensorwise`), in place; returns their names. Parameters keep their names, dtypes
     and values (checkpoints, the export and `gathered_copy` see plain linear weights). Call before
     `torch.compile` and sharding: `parallelize` does. Needs `torchao`."""
+    from . import packages
+
     packages.require("torchao", f"parallel.float8: {recipe}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -9,8 +9,6 @@ fsspec and pyarrow (so Parquet files need nothing more), transformers, pyyaml. T
   `s3fs==<the fsspec version installed>`: it adds s3fs without moving the image's fsspec.
 * hub data sources (`hf:owner/name`) need `datasets`. The DLC ships it; stock `rayproject/ray` images do not.
 * FP8 linear layers (`parallel.float8`) need `torchao` (float8 training), which no Ray image ships.
-* FlashAttention-4 (`model.attn_implementation: flash_attention_4`) needs `flash-attn-4` (module `flash_attn.cute`,
-  with NVIDIA's CuTe DSL, ~100 MB), which no Ray image ships.
 
 `require(module, feature)` imports the package where the feature uses it, or raises `MissingPackage` naming the
 package, the feature and the `runtimeEnv` line that adds it. `check_config(cfg)` runs the same test for every
@@ -27,8 +25,6 @@ from .config import is_hub_source
 
 DATASETS_VERSION = "5.2.0"
 """The `datasets` pin of requirements.txt (a test keeps them equal): what the fix for a missing one installs."""
-FLASH_ATTN_4_VERSION = "4.0.0b36"
-"""The `flash-attn-4` release measured on the H200 (runs 32-33; scripts/device-wheels.sh `cute`)."""
 TORCHAO_VERSION = "0.18.0"
 """The `torchao` pin of requirements-dev.txt and scripts/device-wheels.sh: the first release that is ABI-stable
 across torch >= 2.11 (the GPU machines' 2.11 and the image's 2.13)."""
@@ -49,8 +45,6 @@ def pip_requirement(module: str) -> str:
         return f"datasets=={DATASETS_VERSION}"
     if module == "torchao":
         return f"torchao=={TORCHAO_VERSION}"
-    if module == "flash_attn.cute":
-        return f"flash-attn-4=={FLASH_ATTN_4_VERSION}"
     return module
 
 
@@ -59,8 +53,8 @@ def require(module: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        if e.name is None or not f"{module}.".startswith(f"{e.name}."):  # `module` (or its package) is there but
-            raise  # broken (a missing dependency of its own): say so as is
+        if e.name != module:  # the package is there but broken (a missing dependency of its own): say so as is
+            raise
         requirement = pip_requirement(module)
         raise MissingPackage(
             f"{feature} needs the Python package {module!r}, which this environment does not have. Add it to the "
@@ -88,5 +82,3 @@ def check_config(cfg) -> None:
             require(module, f"{key}: {uri}")
     if cfg.parallel.float8 != "none":
         require("torchao", f"parallel.float8: {cfg.parallel.float8}")
-    if cfg.model.attn_implementation == "flash_attention_4":
-        require("flash_attn.cute", "model.attn_implementation: flash_attention_4")

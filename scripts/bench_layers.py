@@ -13,9 +13,9 @@ difference of the output and of the input gradient from the first variant's, so 
 Variants (one part swapped each):
   sdpa-cudnn   PyTorch SDPA restricted to cuDNN's kernels (the `synthetic` profile's `sdpa_backend: cudnn`)
   sdpa         PyTorch SDPA, the backend chosen per call (values/gsm8k.yaml)
-  fa4          FlashAttention-4's CuTe-DSL kernels (their Hopper path) as `model.attn_implementation:
-               flash_attention_4` runs them (job/attention.py: outside the compiled graph, packed rows as
-               variable-length documents)
+  fa4          FlashAttention-4's CuTe-DSL kernels (their Hopper path) through `flash_attention_4` below: outside
+               the compiled graph (transformers' own `flash_attention_4` fails under torch.compile), packed rows
+               as variable-length documents. Runs 33-34: wrong on packed rows here (docs/benchmarks.md)
   quack-mlp    the MLP as quack's fused GEMMs: gate/up projection with SiLU·mul in its epilogue, and in
                backward the SiLU·mul gradient in the epilogue of the down projection's input-gradient GEMM
                (quack's default tile configuration; `quack-mlp-tuned` autotunes each GEMM first: minutes)
@@ -23,7 +23,7 @@ Variants (one part swapped each):
   fa4+quack-mlp
 Shapes: `synthetic` (4 × 4096 tokens, one causal sequence per row: the issue-19 benchmark) and `gsm8k`
 (16 × 1024 tokens, documents of 100–400 tokens packed into each row: values/gsm8k.yaml). FlashAttention
-takes packed documents as one flattened row with their boundaries (`attention.documents`, as the model does);
+takes packed documents as one flattened row with their boundaries (`documents`);
 SDPA gets the same documents as a block-causal mask, which transformers derives from the position ids.
 
 Needs a CUDA GPU; FlashAttention-4 and quack need the CuTe-DSL bundle (`bash scripts/device-wheels.sh cute`,
@@ -43,16 +43,47 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from job import attention  # noqa: E402
 from job.architecture import PRESETS  # noqa: E402
+
+FA4 = "fa4"  # the name flash_attention_4 below is registered under (none with "flash": transformers takes those for its own)
+
+
+@torch.compiler.disable
+def flash_attention_4(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """A transformers attention function: causal FlashAttention-4 on (batch, heads, tokens, head dim) inputs, over
+    the documents `cu_seq_lens_q` delimits in one flattened row if given; returns (batch, tokens, heads, head dim)."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if cu_seq_lens_q is None:
+        out, _ = flash_attn_func(q, k, v, softmax_scale=scaling, causal=True)
+        return out, None
+    out, _ = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu_seq_lens_q, cu_seqlens_k=cu_seq_lens_q,
+                                    max_seqlen_q=max_length_q, max_seqlen_k=max_length_q, softmax_scale=scaling,
+                                    causal=True)
+    return out[None], None
+
+
+def documents(position_ids: torch.Tensor) -> dict:
+    """The bounds of packed rows' documents once the rows are flattened into one (a start at every position 0
+    and every row start)."""
+    rows, length = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True
+    cu = torch.nonzero(starts.flatten()).flatten().to(torch.int32)
+    cu = torch.cat([cu, cu.new_tensor([rows * length])])
+    longest = int(cu.diff().max())
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+
 
 VARIANTS = {  # name: (attention implementation, SDPA backend, MLP kernel)
     "sdpa-cudnn": ("sdpa", "cudnn", None),
     "sdpa": ("sdpa", None, None),
-    "fa4": (attention.NAME, None, None),
+    "fa4": (FA4, None, None),
     "quack-mlp": ("sdpa", "cudnn", "quack"),
     "liger-mlp": ("sdpa", "cudnn", "liger"),
-    "fa4+quack-mlp": (attention.NAME, None, "quack"),
+    "fa4+quack-mlp": (FA4, None, "quack"),
     "quack-mlp-tuned": ("sdpa", "cudnn", "quack-tuned"),
 }
 SHAPES = {"synthetic": (4, 4096, None), "gsm8k": (16, 1024, (100, 400))}  # rows, tokens per row, document lengths
@@ -89,9 +120,11 @@ MLP_KERNELS = {"quack": QuackSwiGLU, "quack-tuned": lambda mlp: QuackSwiGLU(mlp,
 
 
 def build(layers: int, attn: str, mlp: str | None):
-    from transformers import Qwen2Config, Qwen2Model
+    from transformers import AttentionInterface, Qwen2Config, Qwen2Model
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    attn = attention.register() if attn == attention.NAME else attn
+    AttentionInterface.register(FA4, flash_attention_4)
+    AttentionMaskInterface.register(FA4, flash_attention_mask)
     cfg = Qwen2Config(**{**PRESETS["qwen2.5-1.5b"], "num_hidden_layers": layers, "vocab_size": 256})
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -120,7 +153,7 @@ def inputs(shape: str, flash: bool):
     positions = positions.cuda()
     if not (flash and doc_lengths):
         return x, grad, positions, {}
-    bounds = attention.documents(positions)  # as the model does: one flattened row of the rows' documents
+    bounds = documents(positions)  # one flattened row of the rows' documents
     return x.reshape(1, -1, x.shape[-1]), grad.reshape(1, -1, x.shape[-1]), positions.reshape(1, -1), bounds
 
 

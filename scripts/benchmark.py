@@ -52,7 +52,6 @@ BF16_REDUCE = {**CUDNN, "parallel.reduce_dtype": "bf16"}
 AUTOTUNE = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
 LIGER = {"liger": True}  # TrainingArguments(use_liger_kernel=True): the strongest peer with one flag (issue 19)
 FP8 = {**CUDNN, "parallel.float8": "rowwise"}  # on top of best-cudnn, our current best bf16 settings
-FA4 = {**BEST, "model.attn_implementation": "flash_attention_4"}  # best-cudnn with FlashAttention-4 for cuDNN
 VARIANTS = {
     "hf": Variant("hf", 4),
     "hf-accum2": Variant("hf", 4, accum=2),  # global batch 8 (micro-batch 8 runs out of memory)
@@ -77,8 +76,6 @@ VARIANTS = {
     "best-cudnn-hsdp": Variant("torchrun", 4, {**CUDNN, "parallel.shard_group_size": 1}),
     "best-fp8": Variant("torchrun", 4, FP8),
     "best-b8-fp8": Variant("torchrun", 8, FP8),
-    "best-fa4": Variant("torchrun", 4, FA4),  # needs flash-attn-4 (scripts/device-wheels.sh cute)
-    "best-b8-fa4": Variant("torchrun", 8, FA4),
 }
 BASELINES = {"vs hf": {}, "vs liger": LIGER}
 """The ratio columns: each divides by the baseline script's row with exactly these options (at the same global

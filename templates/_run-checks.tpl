@@ -193,9 +193,6 @@ naming the field as the job does, prefixed with `run.`. Input: dict "ctx" $ "run
 {{- if and (eq $p.mixed_precision "bf16") (not $s.use_gpu) }}
 {{- fail "run.parallel.mixed_precision: bf16 needs GPU workers (CPU runs use fp32)" }}
 {{- end }}
-{{- if and (eq $m.attn_implementation "flash_attention_4") (or (not $s.use_gpu) (eq $p.mixed_precision "fp32")) }}
-{{- fail "run.model.attn_implementation: flash_attention_4 needs GPU workers and bf16 compute (run.parallel.mixed_precision: auto or bf16): its kernels run on Hopper or Blackwell GPUs only" }}
-{{- end }}
 {{- if and (ne $p.float8 "none") (not $s.use_gpu) }}
 {{- fail (printf "run.parallel.float8: %s needs GPU workers (float8 GEMMs run on CUDA GPUs of compute capability >= 8.9)" $p.float8) }}
 {{- else if and (ne $p.float8 "none") (eq $p.mixed_precision "fp32") }}
