@@ -90,12 +90,19 @@ SHAPES = {"synthetic": (4, 4096, None), "gsm8k": (16, 1024, (100, 400))}  # rows
 FULL_LAYERS = PRESETS["qwen2.5-1.5b"]["num_hidden_layers"]
 
 
-class QuackSwiGLU(nn.Module):
-    """Qwen2MLP's parameters (same names), computed by quack's `mlp_func` with the gate and up weights side by side."""
+class SwiGLU(nn.Module):
+    """Qwen2MLP's projections (same names and weights), for a subclass's kernels to compute the MLP with."""
 
-    def __init__(self, mlp: nn.Module, tuned: bool = False):
+    def __init__(self, mlp: nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+class QuackSwiGLU(SwiGLU):
+    """The MLP by quack's `mlp_func`, with the gate and up weights side by side."""
+
+    def __init__(self, mlp: nn.Module, tuned: bool = False):
+        super().__init__(mlp)
         self.tuned = tuned
 
     def forward(self, x):
@@ -105,10 +112,8 @@ class QuackSwiGLU(nn.Module):
         return mlp_func(x, gate_up, self.down_proj.weight, activation="swiglu", concat_layout=True, tuned=self.tuned)
 
 
-class LigerSwiGLU(nn.Module):
-    def __init__(self, mlp: nn.Module):
-        super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+class LigerSwiGLU(SwiGLU):
+    """The MLP's SiLU·mul by Liger's Triton kernel, its projections as they are."""
 
     def forward(self, x):
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -202,7 +207,7 @@ def main() -> int:
             try:
                 torch._dynamo.reset()
                 model = build(args.layers, attn, mlp)
-                x, grad, positions, boundaries = inputs(shape, flash=attn == "fa4")
+                x, grad, positions, boundaries = inputs(shape, flash=attn == FA4)
                 x.requires_grad_(True)
                 ms, warmup_s, out, dx = measure(model, x, grad, positions, boundaries, backend, args.iters, args.warmup)
                 out, dx = out.reshape(-1, out.shape[-1]), dx.reshape(-1, dx.shape[-1])

@@ -71,9 +71,6 @@ device_cute_install() {
   export PYTHONPATH=/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 }
 
-# Once both parts are there it installs itself (a command that needs no CuTe-DSL kernel loses nothing by it).
-if [ -f /tmp/cute-parts/part.01 ]; then device_cute_install || true; fi
-
 # Smoke test, run on demand: `device_ray_check [num_workers]`. Starts Ray locally, runs a Ray
 # Train V2 TorchTrainer with one worker per GPU (gloo on CPU-only hosts), all-reduces
 # rank+1 over NCCL and prints, per worker, the sum (= n(n+1)/2) and the NVLink-multicast

@@ -16,8 +16,7 @@
 # Usage (repo root, on the dev machine, needs PyPI):  bash scripts/device-wheels.sh
 #
 # `bash scripts/device-wheels.sh cute` instead fetches the CuTe-DSL kernels of issue 19's levers into .cute/:
-# FlashAttention-4 (`flash-attn-4`, transformers' attn_implementation `flash_attention_4`) and quack (GEMMs with
-# a SwiGLU epilogue), with NVIDIA's CuTe DSL (its CUDA-13 compiler library alone is a 92 MB wheel) and the
+# FlashAttention-4 (`flash-attn-4`) and quack (GEMMs with a SwiGLU epilogue), for scripts/bench_layers.py, with NVIDIA's CuTe DSL (its CUDA-13 compiler library alone is a 92 MB wheel) and the
 # small packages they need that the image lacks. 98 MB in all, over one call's 64 MiB: they are tarred and
 # split into .cute/part.00 and .cute/part.01 (with .cute/whl.tar.sha256), carried in two calls and joined,
 # checked and installed there by `device_cute_install` (scripts/device-env.sh; docs/device.md, "CuTe-DSL kernels").
