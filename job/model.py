@@ -121,6 +121,12 @@ class CausalLMWithLoss(nn.Module):
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
 
+def plain_name(name: str) -> str:
+    """A parameter's or buffer's name without the wrappers `parallelize` may add (torch.compile, activation
+    checkpointing): its name in the unsharded model and in state dicts (DCP's fully qualified name)."""
+    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+
+
 @torch.no_grad()
 def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """A plain (unsharded) copy of the sharded LM on `device`, in `dtype`: for generation and the export.
@@ -128,21 +134,24 @@ def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.dev
     Collective: every rank all-gathers each parameter in turn (so the peak is one full parameter on top of the
     copy) and gets the whole model. Generation then runs on each rank on its own, without FSDP's per-layer hooks
     and collectives, so ranks need not stay in lockstep and can stop as soon as their sequences have ended.
+    The copy has its own config: `from_config` would share the LM's, and an attention switch on the copy
+    (`generate.use_grouped_decode`) would switch the training model's too.
     """
+    from copy import deepcopy
+
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     lm = model.lm
     with torch.device("meta"):
-        copy = AutoModelForCausalLM.from_config(lm.config, dtype=dtype, attn_implementation=lm.config._attn_implementation)
+        copy = AutoModelForCausalLM.from_config(deepcopy(lm.config), dtype=dtype,
+                                                attn_implementation=lm.config._attn_implementation)
     copy.to_empty(device=device)
-    # Names without the wrappers `parallelize` may add (torch.compile, activation checkpointing).
-    plain = lambda name: name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")  # noqa: E731
     targets = dict(copy.named_parameters())
     for name, param in lm.named_parameters():
-        targets[plain(name)].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
+        targets[plain_name(name)].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
     for name, buffer in lm.named_buffers():  # e.g. rotary frequencies, which FSDP leaves unsharded
-        copy.get_buffer(plain(name)).copy_(buffer)
+        copy.get_buffer(plain_name(name)).copy_(buffer)
     copy.tie_weights()
     copy.generation_config = lm.generation_config
     return copy.eval().requires_grad_(False)

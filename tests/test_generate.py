@@ -111,6 +111,17 @@ def test_a_failed_capture_goes_on_eagerly_and_says_why():
     assert torch.equal(torch.cat([ids, decoder.new_tokens()], 1), reference(lm, ids, mask, 12, None))
 
 
+def test_the_generation_copy_switches_its_own_attention_not_the_training_models():
+    from job.model import CausalLMWithLoss, gathered_copy
+
+    model = CausalLMWithLoss(tiny_lm())
+    copy = gathered_copy(model, torch.float32, torch.device("cpu"))
+    G.use_grouped_decode(copy)
+    assert copy.config._attn_implementation == G.GROUPED_DECODE
+    assert model.lm.config._attn_implementation == "sdpa"
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), model.lm.state_dict().values()))
+
+
 def test_models_it_does_not_cover_go_through_generate():
     lm = tiny_lm(attention="eager")
     ids, mask = left_padded_batch()
