@@ -236,9 +236,9 @@ class CheckpointConfig:
     shared memory (`/dev/shm`), so writing never competes with training for the worker's Python interpreter (a
     writer thread slowed the training steps after each save of Qwen2.5-1.5B by ~25 s on an H200); needs
     `/dev/shm` room for every local worker's share of the model and optimizer state (the chart's
-    `shm.sizeLimit`), else the run stops after its first step, saying how much. `thread`: in a thread of the
+    `shm.sizeLimit`), else the run stops before its first step, saying how much. `thread`: in a thread of the
     worker, from ordinary (pinned) host memory. `auto`: `process` when `/dev/shm` has the room on every node,
-    else `thread`; the choice and its reason are logged after the first step (`checkpoint_writer` record)."""
+    else `thread`; the choice and its reason are logged before the first step (`checkpoint_writer` record)."""
     resume: str = constrained("auto", pattern=r"\S")
     """`auto`: resume from the latest complete checkpoint of this run name if there is one (after a worker
     failure, a retried job or a re-run with the same name), else start fresh; `never`: start fresh, and fail

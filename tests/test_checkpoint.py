@@ -561,14 +561,18 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
                   checkpoint={"async_save": True, "async_writer": "process"})
     run_dir = str(tmp_path / "runs" / "proc")
     model, optimizer = _sharded_model(cfg)
-    model(**_batch())[0].backward()
-    optimizer.step()
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
     checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
-    writer = checkpointer.prepare(model, optimizer)
+    writer = checkpointer.prepare(model)  # before the first step, as the loop does
     assert writer["writer"] == "process" and writer["bytes"] > 0
+    checkpointer.wait_prepared()
+    allocated = {path: id(buffer) for path, buffer in checkpointer.stager.buffers.items()}
+    model(**_batch())[0].backward()
+    optimizer.step()
     checkpointer.save(4, model, optimizer)
-    assert checkpointer.stager.buffers and all(b.is_shared() for b in checkpointer.stager.buffers.values())
+    # Everything staged went into the buffers allocated before the step, all in shared memory.
+    assert {path: id(buffer) for path, buffer in checkpointer.stager.buffers.items()} == allocated
+    assert all(b.is_shared() for b in checkpointer.stager.buffers.values())
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     checkpointer.finish()
     writers = multiprocessing.active_children()
@@ -586,6 +590,24 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
     assert checkpoint_lib.restore(uri, fresh_model, fresh_optimizer, cfg, identity)["step"] == 4
     for key, value in fresh_model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("parallel", [{}, {"compile": True, "activation_checkpointing": True}])
+def test_the_first_saves_layout_is_known_before_the_first_step(tmp_path, single_process, monkeypatch, parallel):
+    """`first_save_layout` before any step: exactly the tensors, shapes and dtypes a save stages after one (the
+    optimizer's state predicted, not read, which would initialise it), with the wrappers' names taken off."""
+    import functools
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    model, optimizer = _sharded_model(_config(tmp_path, "layout", parallel=parallel))
+    predicted = checkpoint_lib.first_save_layout(model)
+    assert not optimizer.state
+    model(**_batch())[0].backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    assert predicted == checkpoint_lib.tensor_layout({"model": model_sd, "optim": optim_sd})
 
 
 def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monkeypatch):
