@@ -1,20 +1,25 @@
 #!/usr/bin/env python3
-"""Throughput benchmark: our FSDP2 loop's variants against the Hugging Face Trainer baseline, one table.
+"""Throughput benchmark: our FSDP2 loop's variants against the Hugging Face Trainer baseline and torchtitan, one table.
 
 Every variant is a separate process (a fresh GPU, no memory left over from the last one) running the real
 job (`python -m job` under torchrun or Ray Train) on synthetic tokens; figures are read from the run's
-metrics.jsonl: the median over logging intervals after the first `--skip` ones (warm-up, compilation).
+metrics.jsonl: the median over logging intervals after the first `--skip` ones (warm-up, compilation). The peers
+(`SCRIPTS`: the HF Trainer, torchtitan) are scripts under torchrun that print one JSON line of the same figures.
 
     # GPU (the reference workload: Qwen2.5-1.5B, T=4096, bf16), variants on 1 GPU, then 2 GPUs:
     python scripts/benchmark.py --preset qwen2.5-1.5b --seq-len 4096 --gpus 1
     python scripts/benchmark.py --preset qwen2.5-1.5b --seq-len 4096 --gpus 2 --only best,best-ray,hf
+    # torchtitan's rows need .titan installed (docs/device.md, "torchtitan baseline"):
+    python scripts/benchmark.py --gpus 1 --only hf,titan,best-cudnn,hf-liger-b8,titan-b8
     # CPU smoke (CI): tiny model, 2 processes, gloo
     python scripts/benchmark.py --preset qwen2-tiny --seq-len 64 --cpu --steps 6 --only default,chunked-ce,hf
 
 Columns: tokens/s per device, MFU (6N + 12·L·H·T FLOPs per token over the device's peak bf16 FLOP/s), step
 time, peak memory, and the ratio of tokens/s to each of the two baselines of the same global batch and GPU
 count: `vs hf`, the plain Trainer (`hf`, `hf-accum2`), and `vs liger`, the Trainer with Liger's kernels
-(`hf-liger`, `hf-liger-b8`). `--budget` bounds the whole run (variants in order; the rest are skipped).
+(`hf-liger`, `hf-liger-b8`). torchtitan's rows (`titan`, `titan-b8`: scripts/torchtitan_baseline.py, which needs
+torchtitan, carried as .titan/) are variants, with ratios to both. `--budget` bounds the whole run (variants in
+order; the rest are skipped).
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Variant(NamedTuple):
-    launcher: str  # "hf" (the baseline script), "torchrun" or "ray" (our job)
+    launcher: str  # "hf" or "titan" (a peer's script, `SCRIPTS`), "torchrun" or "ray" (our job)
     batch: int  # micro-batch (sequences per device)
-    overrides: dict = {}  # config overrides (`--set key=value`) of our job; options of the baseline script
+    overrides: dict = {}  # config overrides (`--set key=value`) of our job; options of a peer's script
     accum: int = 1  # micro-batches per optimizer step: global batch = batch × accum × GPUs
     env: dict = {}  # extra environment, e.g. inductor settings
 
@@ -58,6 +63,8 @@ VARIANTS = {
     "hf-cudnn": Variant("hf", 4, {"sdpa-backend": "cudnn"}),  # fairness check: our attention kernel in HF's loop
     "hf-liger": Variant("hf", 4, LIGER),
     "hf-liger-b8": Variant("hf", 8, LIGER),  # fits: Liger's fused linear cross-entropy has no fp32 logits
+    "titan": Variant("titan", 4),  # torchtitan's own Trainer, compiled, no activation checkpointing (issue 19)
+    "titan-b8": Variant("titan", 8),
     "default": Variant("torchrun", 4),
     "no-reshard": Variant("torchrun", 4, {"parallel.reshard_after_forward": False}),
     "chunked-ce": Variant("torchrun", 4, {"train.loss_chunk_size": 4096}),
@@ -78,8 +85,10 @@ VARIANTS = {
     "best-b8-fp8": Variant("torchrun", 8, FP8),
 }
 BASELINES = {"vs hf": {}, "vs liger": LIGER}
-"""The ratio columns: each divides by the baseline script's row with exactly these options (at the same global
-batch and GPU count, from the same run)."""
+"""The ratio columns: each divides by the baseline script's (launcher "hf") row with exactly these options (at the
+same global batch and GPU count, from the same run)."""
+SCRIPTS = {"hf": "scripts/hf_trainer_baseline.py", "titan": "scripts/torchtitan_baseline.py"}
+"""The peers' scripts, by launcher: run under torchrun with the same options, each prints one JSON line."""
 
 
 def run_config(args, name: str, variant: Variant, nproc: int, storage: str) -> dict:
@@ -103,8 +112,8 @@ def run_variant(args, name: str, nproc: int, workdir: Path, timeout: float) -> d
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **variant.env}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     log = workdir / f"{name}-{nproc}.log"
-    if launcher == "hf":
-        cmd = [*torchrun, str(REPO / "scripts/hf_trainer_baseline.py"), "--preset",
+    if launcher in SCRIPTS:
+        cmd = [*torchrun, str(REPO / SCRIPTS[launcher]), "--preset",
                args.preset, "--seq-len", str(args.seq_len),
                "--batch", str(variant.batch), "--grad-accum", str(variant.accum), "--steps", str(args.steps),
                "--warmup", str(args.skip * args.log_every),
@@ -133,7 +142,7 @@ def run_variant(args, name: str, nproc: int, workdir: Path, timeout: float) -> d
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         causes = [line for line in lines if "Error" in line or "error:" in line][-3:]  # the launcher's summary hides them
         return {**row, "error": f"exit {rc}: {' | '.join(causes + lines[-8:])[-2000:]}"}
-    if launcher == "hf":
+    if launcher in SCRIPTS:
         result = json.loads([line for line in log.read_text().splitlines() if line.startswith("{")][-1])
         return {**row, "tokens_per_s_per_device": result["tokens_per_s_per_device"], "mfu": result.get("mfu"),
                 "step_time_s": result["step_time_s"], "peak_mem_gib": result.get("peak_mem_alloc_gib")}

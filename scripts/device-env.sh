@@ -71,6 +71,22 @@ device_cute_install() {
   export PYTHONPATH=/tmp/cute:/tmp/cute/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
 }
 
+# torchtitan, issue 19's third peer (scripts/torchtitan_baseline.py): `bash scripts/device-wheels.sh titan` here makes
+# .titan/ (~0.8 MB); carry it with .whl (`carry [".whl", ".titan"]`). `device_titan_install` installs it into
+# /tmp/titan (once per warm machine; torchtitan 0.2.2 and the few modules it imports that the image lacks) and puts
+# it on PYTHONPATH after /tmp/site (torchtitan's qwen3 imports datasets, carried in .whl).
+device_titan_install() {
+  local wheels
+  wheels=$(ls -l .titan/*.whl 2>/dev/null | awk '{print $5, $9}')
+  [ -n "$wheels" ] || { echo "device-env: no .titan/*.whl here (bash scripts/device-wheels.sh titan; carry .titan)" >&2; return 1; }
+  if [[ "$(cat /tmp/titan/.installed 2>/dev/null)" != "$wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/titan \
+      .titan/*.whl || { echo "device-env: torchtitan install failed" >&2; return 1; }
+    echo "$wheels" > /tmp/titan/.installed
+  fi
+  [[ ":$PYTHONPATH:" == *:/tmp/titan:* ]] || export PYTHONPATH=$PYTHONPATH:/tmp/titan
+}
+
 # Smoke test, run on demand: `device_ray_check [num_workers]`. Starts Ray locally, runs a Ray
 # Train V2 TorchTrainer with one worker per GPU (gloo on CPU-only hosts), all-reduces
 # rank+1 over NCCL and prints, per worker, the sum (= n(n+1)/2) and the NVLink-multicast

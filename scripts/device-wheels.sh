@@ -20,6 +20,11 @@
 # small packages they need that the image lacks. 98 MB in all, over one call's 64 MiB: they are tarred and
 # split into .cute/part.00 and .cute/part.01 (with .cute/whl.tar.sha256), carried in two calls and joined,
 # checked and installed there by `device_cute_install` (scripts/device-env.sh; docs/device.md, "CuTe-DSL kernels").
+#
+# `bash scripts/device-wheels.sh titan` fetches torchtitan, issue 19's third peer (scripts/torchtitan_baseline.py),
+# into .titan/: torchtitan 0.2.2 (the release built against torch 2.11, the image's) and those of the modules it
+# imports at run time that the image lacks. ~0.8 MB: carried with .whl in one call (`carry [".whl", ".titan"]`),
+# installed there by `device_titan_install` (scripts/device-env.sh; docs/device.md, "torchtitan").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -87,6 +92,22 @@ if [ "${1:-}" = cute ]; then
   tar -C .cute -cf .cute/whl.tar whl
   (cd .cute && sha256sum whl.tar > whl.tar.sha256 && split -b 52428800 -d -a 2 whl.tar part. && rm whl.tar)
   ls -l .cute/part.* && cat .cute/whl.tar.sha256
+  exit 0
+fi
+
+if [ "${1:-}" = titan ]; then
+  # What torchtitan 0.2.2 imports for the baseline script's path (torchtitan.train, models.qwen3): torchdata
+  # (StatefulDataLoader: components/dataloader.py), tyro (its ConfigManager: config/manager.py) -> docstring-parser,
+  # typeguard (-> typing-extensions, in the image). In the image already: tensorboard (components/metrics.py imports
+  # torch.utils.tensorboard at the top, even with tensorboard logging off), triton (models/moe/kernels.py, imported
+  # by every model), tokenizers (components/tokenizer.py), einops, pillow, fsspec, rich (only --job.print_config),
+  # requests/urllib3 (torchdata's requirements); datasets (hf_datasets, imported by models.qwen3) is in .whl. Not
+  # imported on this path, so left out: wandb (only metrics.enable_wandb), torchft (only fault_tolerance.enable),
+  # tomli (Python >= 3.11 has tomllib), torchao (only float8/mx converters).
+  TITAN=(torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1)
+  download .titan "${TITAN[@]}"
+  ls -l .titan
+  du -ch .titan/*.whl | tail -1
   exit 0
 fi
 

@@ -87,3 +87,35 @@ def test_liger_row_reaches_the_baseline_script_which_refuses_it_without_cuda(tmp
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     [row] = json.loads(out.read_text())
     assert row["variant"] == "hf-liger" and "--liger needs a CUDA device" in row["error"]
+
+
+def test_titan_rows_are_variants_with_ratios_to_both_baselines(capsys):
+    """torchtitan's rows (launcher "titan") are divided by the Trainer's rows of their global batch, never used as
+    a baseline themselves: `titan` has a plain-Trainer peer only, `titan-b8` a Liger one only."""
+    benchmark = load_benchmark()
+    row = dict(gpus=1, accum=1, mfu=None, step_time_s=1.0, peak_mem_gib=None)
+    benchmark.print_table([
+        {**row, "variant": "titan", "launcher": "titan", "batch": 4, "tokens_per_s_per_device": 120.0},
+        {**row, "variant": "hf", "launcher": "hf", "batch": 4, "tokens_per_s_per_device": 100.0},
+        {**row, "variant": "titan-b8", "launcher": "titan", "batch": 8, "tokens_per_s_per_device": 175.0},
+        {**row, "variant": "hf-liger-b8", "launcher": "hf", "batch": 8, "tokens_per_s_per_device": 140.0},
+    ])
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[-2:] for line in lines] == [["1.20", "-"], ["1.00", "-"], ["-", "1.25"], ["-", "1.00"]]
+    v = benchmark.VARIANTS
+    assert (v["titan"].launcher, v["titan"].batch, v["titan-b8"].batch) == ("titan", 4, 8)
+
+
+def test_titan_row_reaches_its_script_which_refuses_it_without_cuda(tmp_path):
+    """On CPU the `titan` row fails with scripts/torchtitan_baseline.py's own message (exit 2): the benchmark ran
+    that script under torchrun, with the options both peer scripts take."""
+    out = tmp_path / "rows.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "1",
+         "--steps", "4", "--log-every", "1", "--skip", "1", "--only", "titan", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    [row] = json.loads(out.read_text())
+    assert row["variant"] == "titan" and row["launcher"] == "titan"
+    assert "torchtitan_baseline.py: error: needs a CUDA device" in row["error"]
