@@ -349,7 +349,7 @@ class Checkpointer:
     """Saves checkpoints while training goes on (collective: every rank makes the same calls in the same order).
 
     `save(step)` copies this rank's shards of the model and optimizer state into host memory (`HostStager`:
-    allocated in the background before the first step, reused, pinned on GPU), which is all training waits for.
+    allocated before the first step, reused, pinned on GPU), which is all training waits for.
     The write (DCP shards, over a gloo group of its own so that the training's collectives keep the default
     group to themselves) runs in a writer process per worker that reads the staged state from shared memory,
     or in a thread (`checkpoint.async_writer`, chosen in `prepare`); a background thread then writes this
@@ -376,21 +376,16 @@ class Checkpointer:
         self.arch: dict = {}
 
     def prepare(self, model: CausalLMWithLoss) -> dict:
-        """Chooses the writer (collective) and starts allocating the host buffers of the first save in the
-        background; returns the choice, `self.writer`. Call before the first step: pinning gigabytes of host
-        memory takes seconds and holds up the CUDA calls of training meanwhile (run 35: 30-39k tokens/s instead
-        of 47.5k while it ran beside the steps), so it goes on beside the first step's compilation instead, and
-        `wait_prepared` then holds training until it is done."""
+        """Chooses the writer (collective) and allocates the host buffers of the first save; returns the choice,
+        `self.writer`, with the seconds the allocation took. Call before the first step, with nothing else
+        running: page-locking ~19 GB takes seconds and holds up whatever runs beside it, the CUDA calls of the
+        steps (run 35: 30-39k tokens/s instead of 47.5k) or the first step's compilation (run 37: +9.5 s)."""
         layout = first_save_layout(model)
         self.writer = choose_writer(self.cfg.checkpoint.async_writer, layout, self.group)
         self.stager = HostStager(pin=self.device.type == "cuda", shared=self.writer["writer"] == "process")
-        self.stager.allocate_in_background(layout)
-        return self.writer
-
-    def wait_prepared(self) -> None:
-        """Returns once `prepare`'s buffers are allocated."""
-        if self.stager is not None:
-            self.stager.wait_allocated()
+        start = time.perf_counter()
+        self.stager.allocate(layout)
+        return {**self.writer, "allocate_s": round(time.perf_counter() - start, 3)}
 
     def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Starts saving `step`; returns once the state is staged in host memory."""
@@ -592,23 +587,12 @@ class HostStager:
     def __init__(self, pin: bool, shared: bool = False):
         self.pin, self.shared = pin, shared
         self.buffers: dict[tuple, torch.Tensor] = {}
-        self._allocating = None
 
-    def allocate_in_background(self, layout: dict[tuple, tuple[torch.Size, torch.dtype]]) -> None:
-        """Allocates the buffers of `layout` (`tensor_layout`) in a background thread; `stage` waits for it."""
-        import threading
-
-        self._allocating = threading.Thread(target=lambda: self.buffers.update(
-            {path: self._allocate(shape, dtype) for path, (shape, dtype) in layout.items()}), daemon=True)
-        self._allocating.start()
-
-    def wait_allocated(self) -> None:
-        if self._allocating is not None:
-            self._allocating.join()
-            self._allocating = None
+    def allocate(self, layout: dict[tuple, tuple[torch.Size, torch.dtype]]) -> None:
+        """Allocates the buffers of `layout` (`tensor_layout`) ahead of the first `stage`."""
+        self.buffers.update({path: self._allocate(shape, dtype) for path, (shape, dtype) in layout.items()})
 
     def stage(self, state_dict: dict) -> dict:
-        self.wait_allocated()
         staged = _map_tensors(state_dict, self._buffer)
         if self.pin:
             torch.cuda.synchronize()

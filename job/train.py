@@ -244,8 +244,8 @@ def train(run: Run) -> None:
     """The loop, from the step after the resume point to `train.max_steps`: one optimizer step per iteration;
     logs, evaluations and checkpoints at their intervals (each timed as its own phase, the rest is training)."""
     cfg, device, world = run.cfg, run.device, run.world
-    # The first save's host buffers, allocated beside the evaluations' and the first step's compilation.
-    run.log({"kind": "checkpoint_writer", "step": run.start_step, **run.checkpointer.prepare(run.model)})
+    with run.timeline.phase("checkpoint"):  # the first save's host buffers, before anything runs beside them
+        run.log({"kind": "checkpoint_writer", "step": run.start_step, **run.checkpointer.prepare(run.model)})
     if run.start_step == 0:  # the untrained baselines that later evaluations are read against
         baseline = baseline_at_step_0(run) if cfg.eval.task and cfg.eval.task_at_start else None
         if cfg.eval.every_steps:
@@ -277,8 +277,6 @@ def train(run: Run) -> None:
                 compile_cache.save(run.compile_cache)
             run.timeline.sync()
             first_step_s = time.perf_counter() - loop_start
-            with run.timeline.phase("checkpoint"):  # no step runs beside the allocation (`Checkpointer.prepare`)
-                run.checkpointer.wait_prepared()
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
             writes_done = float(run.checkpointer.write_done())
