@@ -91,6 +91,24 @@ SCRIPTS = {"hf": "scripts/hf_trainer_baseline.py", "titan": "scripts/torchtitan_
 """The peers' scripts, by launcher: run under torchrun with the same options, each prints one JSON line."""
 
 
+def peer_parser(description: str, steps: int, warmup: int, warmup_help: str) -> argparse.ArgumentParser:
+    """The command line every peer's script (`SCRIPTS`) starts from: the options `run_variant` passes to each
+    (`--preset`, `--seq-len`, `--batch`, `--grad-accum`, `--steps`, `--warmup`), and the training settings they
+    share. The scripts import it (the repository's root is on their path)."""
+    from job.architecture import PRESETS
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-1.5b")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4, help="per-device batch size (sequences)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
 def run_config(args, name: str, variant: Variant, nproc: int, storage: str) -> dict:
     return {
         "name": name,

@@ -23,7 +23,6 @@ Requires accelerate (the Trainer needs it); it is in the device image.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.metadata
 import importlib.util
@@ -42,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job.metrics import flops_per_token, peak_flops  # noqa: E402
 from job.architecture import PRESETS  # noqa: E402
+from scripts.benchmark import peer_parser  # noqa: E402
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -86,13 +86,7 @@ def make_timer_callback():
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-1.5b")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4, help="per-device batch size (sequences)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    p = peer_parser(__doc__, steps=15, warmup=5, warmup_help="steps left out of the median")
     p.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
                    help="auto: FSDP2 when on CUDA and launched by torchrun")
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of each decoder layer")
@@ -102,8 +96,6 @@ def parse_args(argv=None):
     p.add_argument("--liger", action="store_true",
                    help="TrainingArguments(use_liger_kernel=True): Liger's fused RMSNorm, SwiGLU, RoPE and linear "
                         "cross-entropy (the fp32 logits are never materialised); Triton kernels, so CUDA only")
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.steps <= a.warmup + 1:
         p.error("--steps must exceed --warmup + 1 (need at least two timed step ends)")

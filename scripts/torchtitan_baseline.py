@@ -77,6 +77,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job.architecture import PRESETS  # noqa: E402
+from scripts.benchmark import peer_parser  # noqa: E402
 from job.metrics import flops_per_token, peak_flops  # noqa: E402
 
 TORCHTITAN_VERSION = "0.2.2"  # the version this script is written against (its Trainer's internals differ by version)
@@ -84,17 +85,9 @@ SPEC = "qwen3_random"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-1.5b")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=4, help="per-device batch size (sequences)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--steps", type=int, default=14)
-    p.add_argument("--warmup", type=int, default=4, help="steps left out of the median (after the first)")
+    p = peer_parser(__doc__, steps=14, warmup=4, warmup_help="steps left out of the median (after the first)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torchtitan's compile.enable: torch.compile of each TransformerBlock and of the loss")
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--meta", action="store_true",
                       help="no training: parse the config, build the model on the meta device, print its counts")

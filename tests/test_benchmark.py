@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
@@ -76,17 +78,23 @@ def test_liger_and_fp8_variants_pass_their_options():
     assert (v["best-fp8"].batch, v["best-b8-fp8"].batch) == (4, 8)
 
 
-def test_liger_row_reaches_the_baseline_script_which_refuses_it_without_cuda(tmp_path):
-    """On CPU the `hf-liger` row fails with the baseline script's own message: the flag got through."""
+@pytest.mark.parametrize("variant, refusal", [
+    ("hf-liger", "--liger needs a CUDA device"),  # the baseline script got the --liger flag
+    ("titan", "torchtitan_baseline.py: error: needs a CUDA device"),  # torchtitan's script ran, with the options
+])
+def test_peer_rows_reach_their_scripts_which_refuse_them_without_cuda(tmp_path, variant, refusal):
+    """On CPU a peer's GPU-only row fails with its script's own message: the benchmark ran that script under
+    torchrun with the row's options (and the ones every peer script takes, `peer_parser`)."""
     out = tmp_path / "rows.json"
     result = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "1",
-         "--steps", "4", "--log-every", "1", "--skip", "1", "--only", "hf-liger", "--out", str(out)],
+         "--steps", "4", "--log-every", "1", "--skip", "1", "--only", variant, "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     [row] = json.loads(out.read_text())
-    assert row["variant"] == "hf-liger" and "--liger needs a CUDA device" in row["error"]
+    assert row["variant"] == variant and row["launcher"] == load_benchmark().VARIANTS[variant].launcher
+    assert refusal in row["error"]
 
 
 def test_titan_rows_are_variants_with_ratios_to_both_baselines(capsys):
@@ -104,18 +112,3 @@ def test_titan_rows_are_variants_with_ratios_to_both_baselines(capsys):
     assert [line.split()[-2:] for line in lines] == [["1.20", "-"], ["1.00", "-"], ["-", "1.25"], ["-", "1.00"]]
     v = benchmark.VARIANTS
     assert (v["titan"].launcher, v["titan"].batch, v["titan-b8"].batch) == ("titan", 4, 8)
-
-
-def test_titan_row_reaches_its_script_which_refuses_it_without_cuda(tmp_path):
-    """On CPU the `titan` row fails with scripts/torchtitan_baseline.py's own message (exit 2): the benchmark ran
-    that script under torchrun, with the options both peer scripts take."""
-    out = tmp_path / "rows.json"
-    result = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "1",
-         "--steps", "4", "--log-every", "1", "--skip", "1", "--only", "titan", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    [row] = json.loads(out.read_text())
-    assert row["variant"] == "titan" and row["launcher"] == "titan"
-    assert "torchtitan_baseline.py: error: needs a CUDA device" in row["error"]
