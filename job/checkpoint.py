@@ -607,9 +607,8 @@ class HostStager:
     def _allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if not self.shared:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-        # Created in shared memory, not moved there: `share_memory_()` copies the tensor into it holding the
-        # interpreter lock (~10 ms per 55 MB projection), which starved the training thread of every step the
-        # allocation overlapped (run 35: 38.9k tokens/s instead of 47.5k, the device idle 43% of a step).
+        # Created in shared memory, not moved there: `share_memory_()` copies the tensor in while holding the
+        # interpreter lock (~10 ms per 55 MB projection, run 35).
         nbytes = shape.numel() * dtype.itemsize
         buffer = torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
         buffer.zero_()  # faults the pages in here, so that cudaHostRegister only pins resident ones
