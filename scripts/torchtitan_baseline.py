@@ -123,12 +123,13 @@ def model_args(preset: str, seq_len: int):
 
 
 def qwen2_params(preset: str) -> int:
-    """Parameters of our Qwen2 model of `preset` (transformers' Qwen2ForCausalLM; a tied head counted once)."""
-    c = PRESETS[preset]
-    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
-    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * c["intermediate_size"] + 2 * h
-    embed = c["vocab_size"] * h
-    return embed + c["num_hidden_layers"] * layer + h + (0 if c["tie_word_embeddings"] else embed)
+    """Parameters of our Qwen2 model of `preset`, built on the meta device as the HF baseline builds it (a tied head
+    counted once)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**PRESETS[preset]))
+    return sum(p.numel() for p in model.parameters())
 
 
 class StepRecorder:
