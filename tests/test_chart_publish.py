@@ -140,7 +140,7 @@ def test_an_umbrella_chart_depends_on_the_published_chart(tmp_path, chart_reposi
 
 
 @pytest.fixture(scope="module")
-def signing_key(tmp_path_factory) -> dict:
+def signing_key(tmp_path_factory):
     """A throwaway RSA key (no passphrase) in a fresh GnuPG home, exported as the keyrings helm reads."""
     home = tmp_path_factory.mktemp("gnupg")
     env = {**os.environ, "GNUPGHOME": str(home)}
@@ -149,7 +149,8 @@ def signing_key(tmp_path_factory) -> dict:
     secret, public = home / "secring.gpg", home / "pubring.gpg"
     secret.write_bytes(subprocess.run(["gpg", "--export-secret-keys"], env=env, check=True, capture_output=True).stdout)
     public.write_bytes(subprocess.run(["gpg", "--export"], env=env, check=True, capture_output=True).stdout)
-    return {"name": "chart-ci", "secret": str(secret), "public": str(public)}
+    yield {"name": "chart-ci", "secret": str(secret), "public": str(public)}
+    subprocess.run(["gpgconf", "--kill", "gpg-agent"], env=env, check=False)  # the agent gpg started for this home
 
 
 def test_a_signed_package_verifies_and_a_tampered_one_is_refused(tmp_path, signing_key):
