@@ -2,8 +2,8 @@
 """Regenerate docs/values.md, the chart's values reference, from the `# --` comments of values.yaml.
 
 The table is helm-docs' (Key | Type | Default | Description; a `# @default -- text` line replaces the default
-shown), in values.yaml order, so the comments stay the one place values are documented. docs/ ships in the
-chart package.
+shown), in values.yaml order, so the comments stay the one place values are documented. docs/ stays in the
+repository, not in the chart package (.helmignore).
 
 Usage (repo root):  python3 scripts/gen-chart-readme.py           rewrite docs/values.md
                     python3 scripts/gen-chart-readme.py --check   exit 1 if it is out of date

@@ -810,11 +810,13 @@ def test_package_contains_the_job_and_renders_the_same(tmp_path):
     assert not any(n.startswith(("ray-finetune/tests/", "ray-finetune/.tools/", "ray-finetune/.venv/")) for n in names)
     args = ("-f", "values/cpu-smoke.yaml")
     assert render(*args, chart=str(package)) == render(*args)
-    # Every relative link in the packaged Markdown points into the package.
+    # Every relative link in the packaged Markdown points into the package, or into docs/, which stays in the
+    # source repository (it would not fit the release Secret: docs/chart.md, "Release size").
     with tarfile.open(package) as tar:
         for member in (m for m in tar.getmembers() if m.name.endswith(".md")):
             text = tar.extractfile(member).read().decode()
             for link in re.findall(r"\]\(([^)#\s]+)", text):
                 if "://" not in link:
                     target = posixpath.normpath(posixpath.join(posixpath.dirname(member.name), link))
-                    assert target in names, f"{member.name} links {link}, not in the package"
+                    in_repository = target.startswith("ray-finetune/docs/") and (REPO / target.split("/", 1)[1]).exists()
+                    assert target in names or in_repository, f"{member.name} links {link}, in neither package nor docs/"
