@@ -92,12 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except data_lib.DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
-    try:
-        with failures.driver_watch(run_dir):  # heartbeat; SIGINT/SIGTERM close the record as cancelled
-            error = launch.run_with_ray(cfg, loop_config)
-    except failures.Cancelled as e:
-        print(f"run cancelled: {e}; run directory: {run_dir}", file=sys.stderr, flush=True)
-        return 128 + e.signum
+    with failures.driver_watch(run_dir):  # the heartbeat; a record left running closed on an exception
+        error = launch.run_with_ray(cfg, loop_config)
     print(f"run directory: {run_dir}", flush=True)
     if error:
         print(f"run failed: {error}", file=sys.stderr)

@@ -46,7 +46,7 @@ METRICS_FILE = "metrics.jsonl"
 SCHEMA_VERSION = 1
 CLOSED_STATUSES = ("succeeded", "failed", "cancelled", "abandoned")
 """How a record ends: `succeeded`/`failed` written by rank 0, or by the driver for what the workers could not see
-(`failed` after a lost worker, `cancelled` on a signal); `abandoned` at the next start when the driver itself was
+(`failed` after a lost worker, `cancelled` on a KeyboardInterrupt); `abandoned` at the next start when the driver itself was
 lost (see `failures`)."""
 
 # ---------------------------------------------------------------------------------------------

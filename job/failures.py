@@ -3,15 +3,17 @@
 * `describe(exc, step=, rank=)` -- the structured `error` of `run.json`: `{"class", "reason", "message",
   "exception", "step", "rank"}`. The class comes from the exception chain alone (types are matched by name, so
   Ray's need not be imported): a lost worker process is `infrastructure`/`worker_lost`, a `DataError` is `data`,
-  a `ConfigError` `config`, a non-finite loss `model`, out of memory and a full disk `infrastructure`, a signal
+  a `ConfigError` `config`, a non-finite loss `model`, out of memory and a full disk `infrastructure`, a KeyboardInterrupt
   `cancelled`; anything else `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`,
   through `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `driver_watch`).
 * `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while the run lives;
   `liveness` reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
   process is gone from this host) is stale, and the next start of the run marks it `abandoned`
   (`launch.prepare` -> `evidence.abandon_stale`).
-* `driver_watch(run_dir)` -- around the driver's wait on the workers: the heartbeat, and SIGINT/SIGTERM closing
-  the record as `cancelled` before the driver exits non-zero.
+* `driver_watch(run_dir)` -- around the driver's wait on the workers: the heartbeat, and an exception ending the
+  wait (a KeyboardInterrupt: `cancelled`) closing a record left running. A SIGTERM to the driver is not caught
+  yet (a handler raising in the main thread did not interrupt Ray Train's wait): such a driver dies with its
+  heartbeat, and the next start marks its record `abandoned`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import datetime as _dt
 import errno
 import json
 import os
-import signal
 import socket
 import threading
 
@@ -36,7 +37,6 @@ HEARTBEAT_TIMEOUT_S = 60.0
 
 # (exception type name, class, reason), first match wins; matched against every type in each exception's MRO.
 _BY_TYPE = (
-    ("Cancelled", "cancelled", "signal"),
     ("KeyboardInterrupt", "cancelled", "signal"),
     ("OutOfMemoryError", "infrastructure", "out_of_memory"),  # torch's (CUDA) and Ray's (host memory monitor)
     ("MemoryError", "infrastructure", "out_of_memory"),
@@ -54,14 +54,6 @@ _BY_TYPE = (
 
 
 _ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
-
-
-class Cancelled(BaseException):
-    """The driver got SIGINT or SIGTERM (a BaseException, so no `except Exception` swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"driver received {signal.Signals(signum).name}")
-        self.signum = signum
 
 
 def _chain(exc: BaseException):
@@ -191,29 +183,18 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
-def _raise_cancelled(signum, frame):
-    raise Cancelled(signum)
-
-
 @contextlib.contextmanager
 def driver_watch(run_dir: str):
-    """The driver's watch over a run while it waits on the workers: a `Heartbeat`, and SIGINT/SIGTERM raising
-    `Cancelled` (main thread only). Whatever ends the wait with an exception closes a still-`running` record
-    (`evidence.close_if_running`): `cancelled` for a signal, else `failed`; the exception then propagates."""
+    """The driver's watch over a run while it waits on the workers: a `Heartbeat`; whatever ends the wait with an
+    exception closes a still-`running` record (`evidence.close_if_running`): `cancelled` for a KeyboardInterrupt,
+    else `failed`; the exception then propagates."""
     from . import evidence
 
     heartbeat = Heartbeat(run_dir).start()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, _raise_cancelled)
     try:
         yield
     except BaseException as exc:
-        evidence.close_if_running(run_dir, "cancelled" if isinstance(exc, (Cancelled, KeyboardInterrupt)) else "failed",
-                                  exc)
+        evidence.close_if_running(run_dir, "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", exc)
         raise
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         heartbeat.stop()
