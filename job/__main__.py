@@ -27,7 +27,7 @@ import sys  # noqa: E402
 from . import checkpoint as checkpoint_lib  # noqa: E402
 from . import config as config_lib  # noqa: E402
 from . import data as data_lib  # noqa: E402
-from . import launch, packages  # noqa: E402
+from . import failures, launch, packages  # noqa: E402
 
 IMPORTED_AT = time.time()
 
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except data_lib.DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         return 2
-    error = launch.run_with_ray(cfg, loop_config)
+    with failures.driver_watch(run_dir):  # the heartbeat; a record left running closed on an exception
+        error = launch.run_with_ray(cfg, loop_config)
     print(f"run directory: {run_dir}", flush=True)
     if error:
         print(f"run failed: {error}", file=sys.stderr)

@@ -37,13 +37,17 @@ import socket
 import sys
 from typing import Any, Iterable, Mapping
 
-from . import storage
+from . import failures, storage
 from .nccl import describe_transport
 from .environment import UNKNOWN, job_version, worker_environment
 
 RUN_RECORD = "run.json"
 METRICS_FILE = "metrics.jsonl"
 SCHEMA_VERSION = 1
+CLOSED_STATUSES = ("succeeded", "failed", "cancelled", "abandoned")
+"""How a record ends: `succeeded`/`failed` written by rank 0, or by the driver for what the workers could not see
+(`failed` after a lost worker, `cancelled` on a KeyboardInterrupt); `abandoned` at the next start when the driver itself was
+lost (see `failures`)."""
 
 # ---------------------------------------------------------------------------------------------
 # 1. Run record (run.json)
@@ -256,27 +260,31 @@ def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
     return record
 
 
-def finish_record(run_dir: str, record: dict, *, status: str = "succeeded", error: str | BaseException | None = None,
-                  metrics: dict | None = None, **updates) -> dict:
+def finish_record(run_dir: str, record: dict, *, status: str = "succeeded",
+                  error: str | BaseException | dict | None = None, rank: int | None = None,
+                  metrics: dict | None = None, ended_at: str | None = None, **updates) -> dict:
     """Close the record: status, end time, metric summary, results; rewrite `run.json`.
 
     Call on rank 0 at the end of training (`status="succeeded"`) or from the `except`
-    branch (`status="failed", error=exc`). `metrics` defaults to
-    `summarize_metrics` of `<run_dir>/metrics.jsonl`. Other keyword arguments as in
+    branch (`status="failed", error=exc, rank=0`); the driver closes what the workers could not
+    (`close_if_running`: `failed`, `cancelled`; `abandon_stale`: `abandoned`). `error` becomes the structured
+    error of `failures.describe` (its step: the last train step in the metrics). `ended_at` defaults to now.
+    `metrics` defaults to `summarize_metrics` of `<run_dir>/metrics.jsonl`. Other keyword arguments as in
     `update_record`: `evaluation` (task results), `checkpoints` (e.g.
     `{"dir": ..., "latest": ...}`), `export` (e.g. `{"path": ..., "accepted": True}`),
     `dataset`, `tokenizer_sha256`.
     """
-    if status not in ("succeeded", "failed"):
-        raise ValueError(f"status must be 'succeeded' or 'failed', not {status!r}")
+    if status not in CLOSED_STATUSES:
+        raise ValueError(f"status must be one of {', '.join(CLOSED_STATUSES)}, not {status!r}")
+    if status != "succeeded" and error is None:
+        raise ValueError(f"a {status} record needs its error")
     record["status"] = status
-    if isinstance(error, BaseException):
-        error = f"{type(error).__name__}: {error}"
-    record["error"] = error
-    record["ended_at"] = _now()
+    step = _last_seen(run_dir, record.get("started_at")).get("steps") if error is not None else None
+    record["error"] = failures.describe(error, step=step, rank=rank)
+    record["ended_at"] = ended_at or _now()
     try:
         start = _dt.datetime.fromisoformat(record["started_at"])
-        record["duration_s"] = round((_dt.datetime.fromisoformat(record["ended_at"]) - start).total_seconds(), 1)
+        record["duration_s"] = max(0.0, round((_dt.datetime.fromisoformat(record["ended_at"]) - start).total_seconds(), 1))
     except (KeyError, TypeError, ValueError):
         record["duration_s"] = None
     if metrics is None:
@@ -285,6 +293,37 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded", erro
         except (OSError, ValueError) as exc:
             metrics = {"reason": f"no metrics: {exc}"}
     return update_record(run_dir, record, metrics=metrics, **updates)
+
+
+def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, rank: int | None = None) -> dict | None:
+    """The driver's close of a record its workers left `running` (a lost worker, a signal to the driver): reads
+    `run.json` as it is now, keeps all it knew, and closes it with `status` and `error`. A record already closed,
+    or none yet (the workers failed before rank 0 opened it), is left as it is. Returns the record written."""
+    try:
+        record = load_record(run_dir)
+    except (OSError, ValueError):
+        return None
+    if record.get("status") != "running":
+        return None
+    return finish_record(run_dir, record, status=status, error=error, rank=rank)
+
+
+def abandon_stale(run_dir: str) -> dict | None:
+    """At the start of a run: a record left `running` by a driver whose heartbeat is stale (`failures.liveness`)
+    is closed `abandoned` (`unknown`/`driver_lost`), ending when it was last seen (its last metrics record, else
+    its last heartbeat). Returns the record written, or None when there was nothing to close."""
+    try:
+        record = load_record(run_dir)
+    except (OSError, ValueError):
+        return None
+    if failures.liveness(run_dir, record) != "stale":
+        return None
+    beat = failures.read_heartbeat(run_dir) or {}
+    seen = _last_seen(run_dir, record.get("started_at"))
+    error = failures.error("unknown", "driver_lost", f"the driver stopped its heartbeat (last at {beat.get('at')}) "
+                           "without closing the record (killed, its pod or node lost)", step=seen.get("steps"))
+    return finish_record(run_dir, record, status="abandoned", error=error,
+                         ended_at=max(filter(None, (seen.get("ended_at"), beat.get("at"))), default=None))
 
 
 def write_record(run_dir: str, record: dict) -> None:
@@ -483,6 +522,12 @@ def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_
     ma, mb = a.get("metrics") or {}, b.get("metrics") or {}
     results = [(k, ma.get(k), mb.get(k)) for k in _RESULT_KEYS if ma.get(k) != mb.get(k)]
     results += _diff(timing(a), timing(b))
+    def ending(record):
+        err = record.get("error")
+        return f"{err.get('class')}/{err.get('reason')}" if isinstance(err, dict) else err
+
+    if ending(a) != ending(b):
+        results.insert(0, ("error", ending(a), ending(b)))
     if a.get("status") != b.get("status"):
         results.insert(0, ("status", a.get("status"), b.get("status")))
     return {

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
+from . import evidence
 from . import export as export_lib
 from . import storage
 from .metrics import progress_style
@@ -159,6 +160,9 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
     """
     started_at = time.time() if started_at is None else started_at
     checkpoint_lib.check_before_start(cfg, run_dir)
+    if (abandoned := evidence.abandon_stale(run_dir)) is not None:
+        print(f"run.json of the attempt started at {abandoned['started_at']} was still running, its driver's "
+              f"heartbeat stale: marked abandoned ({abandoned['error']['message']})", flush=True)
     if checkpoint_lib.retire_ray_snapshot(run_dir):
         print(f"removed {checkpoint_lib.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
               "directory itself", flush=True)
@@ -343,10 +347,16 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
     try:
         trainer.fit()
     except WorkerGroupError as e:
-        failures = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
+        messages = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
         lost = any(isinstance(exc, RayActorError) for exc in e.worker_failures.values())
-        return _by_message(failures) + (f"\n{resume_hint(loop_config.run_dir)}" if lost else "")
+        # A record left running (rank 0 lost, or a fault its except branch never saw) is closed here, with the
+        # lowest failed rank's error.
+        first = min(e.worker_failures) if e.worker_failures else None
+        evidence.close_if_running(loop_config.run_dir, "failed", e if first is None else e.worker_failures[first],
+                                  rank=first)
+        return _by_message(messages) + (f"\n{resume_hint(loop_config.run_dir)}" if lost else "")
     except TrainingFailedError as e:
+        evidence.close_if_running(loop_config.run_dir, "failed", e)
         return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config.run_dir)}"
     return None
 

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-from . import evidence, storage
+from . import evidence, failures, storage
 
 # Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
@@ -211,7 +211,7 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
     if digest == "unknown" and image.get("reason"):
         digest += f" ({image['reason']})"
     rows = [
-        ("Status", rec.get("status", "-") + (f" — {rec['error']}" if rec.get("error") else "")),
+        ("Status", rec.get("status", "-") + (f" — {failures.one_line(rec['error'])}" if rec.get("error") else "")),
         ("Started", rec.get("started_at")),
         ("Ended", rec.get("ended_at")),
         ("Duration", _duration(rec.get("duration_s"))),

@@ -70,7 +70,7 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
     except preflight_lib.PreflightError as exc:
         if rank == 0:
             record = evidence.start_record(run_dir, preflight=exc.result, **record_args)
-            evidence.finish_record(run_dir, record, status="failed", error=exc)
+            evidence.finish_record(run_dir, record, status="failed", error=exc, rank=rank)
         raise
     record = evidence.start_record(run_dir, preflight=preflight, **record_args) if rank == 0 else None
     if rank == 0 and full_preflight:
@@ -84,7 +84,7 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
         results = fit(loop_config, launcher, device, record, timeline)
     except BaseException as exc:
         if record:
-            evidence.finish_record(run_dir, record, status="failed", error=exc, time=timeline.summary())
+            evidence.finish_record(run_dir, record, status="failed", error=exc, rank=rank, time=timeline.summary())
         raise
     if record:
         evidence.finish_record(run_dir, record, **results)

@@ -451,7 +451,8 @@ def test_run_record_local_run_unknowns(tmp_path, monkeypatch):
 
     failed = evidence.finish_record(str(run_dir), copy.deepcopy(record), status="failed", error=ValueError("boom"))
     validate(failed)
-    assert failed["error"] == "ValueError: boom"
+    assert failed["error"] == {"class": "unknown", "reason": "exception", "message": "ValueError: boom",
+                               "exception": "ValueError", "step": None, "rank": None}
     # The schema is not vacuous: a finished record without an end time, or a bad digest, is rejected.
     for broken in ({**final, "ended_at": None}, {**final, "image": {**final["image"], "digest": "latest"}},
                    {**final, "status": "failed", "error": None}, {**final, "surprise": 1}):
