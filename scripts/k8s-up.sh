@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# A live control plane on loopback for the chart: etcd, kube-apiserver, kube-controller-manager (garbage
+# collector), kube-scheduler, kwok (simulated nodes and Pod status) and the KubeRay operator out of cluster.
+# Every binary is built from the Go module proxy by module version, through the wrapper modules under
+# k8s/tools/<component>/ (their go.mod/go.sum pin the upstream versions), into a cache outside the repo.
+#
+# Usage: scripts/k8s-up.sh build   build every missing binary into $K8S_CACHE/bin (a missing one is built, never skipped)
+#        scripts/k8s-up.sh up      build, then start everything; prints the state dir and the kubeconfig
+#        scripts/k8s-up.sh down    stop what `up` started (pid files in the state dir)
+#        scripts/k8s-up.sh env     print `export KUBECONFIG=...`
+#
+# K8S_CACHE   (default ~/.cache/ray-finetune/k8s): bin/ holds the binaries
+# K8S_STATE   (default $K8S_CACHE/state): certs, keys, token, kubeconfig, etcd data, logs, pid files
+# K8S_PORT    (default 26443): kube-apiserver's secure port; the other components take fixed ports near it
+# K8S_CRDS    (default ../shared/kuberay-crds when present, else the operator module's config/crd/bases)
+# RAY_OPERATOR_TOOL (default ray-operator): the wrapper module under k8s/tools/ for the KubeRay operator.
+#     The chart targets v1.7.0 (k8s/tools/ray-operator), but the Go module proxy answers 403 "This module
+#     version is not available" for ray-operator@v1.7.0.zip; RAY_OPERATOR_TOOL=ray-operator-v1.6.0 builds the
+#     newest version it serves instead (docs/chart.md, "Live control plane").
+set -euo pipefail
+
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+tools="$repo_root/k8s/tools"
+CACHE=${K8S_CACHE:-$HOME/.cache/ray-finetune/k8s}
+STATE=${K8S_STATE:-$CACHE/state}
+BIN="$CACHE/bin"
+PORT=${K8S_PORT:-26443}
+ETCD_PORT=$((PORT - 2600))      # 23843 client
+ETCD_PEER=$((PORT - 2599))      # 23844 peer
+KCM_PORT=$((PORT - 6186))       # 20257
+SCHED_PORT=$((PORT - 6184))     # 20259
+KWOK_PORT=$((PORT - 6196))      # 20247
+OP_METRICS=$((PORT - 6363))     # 20080
+OP_PROBE=$((PORT - 6362))       # 20081
+RAY_OPERATOR_TOOL=${RAY_OPERATOR_TOOL:-ray-operator}
+NICE=(nice -n "${K8S_NICE:-19}")
+
+log() { echo "k8s-up: $*" >&2; }
+
+# build_one <tool dir> <output> <package>...: go build in the wrapper module, timed, into $BIN.
+build_one() {
+  local dir=$1 out=$2; shift 2
+  mkdir -p "$BIN"
+  log "building $out from k8s/tools/$dir ($*)"
+  local t0=$SECONDS
+  (cd "$tools/$dir" && GOFLAGS=-mod=readonly "${NICE[@]}" go build -trimpath -o "$out" "$@")
+  log "built $out in $((SECONDS - t0))s"
+}
+
+cmd_build() {
+  command -v go >/dev/null || { log "go is required (Go 1.26) to build the control plane"; exit 1; }
+  if [[ ! -x $BIN/kube-apiserver || ! -x $BIN/kube-controller-manager || ! -x $BIN/kube-scheduler ]]; then
+    build_one kubernetes "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
+      k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+  fi
+  [[ -x $BIN/etcd ]] || build_one etcd "$BIN/etcd" go.etcd.io/etcd/server/v3
+  [[ -x $BIN/kwok ]] || build_one kwok "$BIN/kwok" sigs.k8s.io/kwok/cmd/kwok
+  [[ -x $BIN/ray-operator ]] || build_one "$RAY_OPERATOR_TOOL" "$BIN/ray-operator" github.com/ray-project/kuberay/ray-operator
+  du -sh "$BIN" >&2
+}
+
+operator_module_dir() {
+  (cd "$tools/$RAY_OPERATOR_TOOL" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)
+}
+
+crd_dir() {
+  if [[ -n ${K8S_CRDS:-} ]]; then echo "$K8S_CRDS"
+  elif [[ -d $repo_root/../shared/kuberay-crds ]]; then (cd "$repo_root/../shared/kuberay-crds" && pwd)
+  else echo "$(operator_module_dir)/config/crd/bases"; fi
+}
+
+gen_certs() {
+  local d=$STATE/pki
+  [[ -f $d/apiserver.crt ]] && return
+  mkdir -p "$d"
+  log "generating CA, serving cert, service-account keys and admin token in $d"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=k8s-up-ca \
+    -keyout "$d/ca.key" -out "$d/ca.crt" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver -keyout "$d/apiserver.key" -out "$d/apiserver.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n' > "$d/san.ext"
+  openssl x509 -req -in "$d/apiserver.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial -days 3650 \
+    -extfile "$d/san.ext" -out "$d/apiserver.crt" 2>/dev/null
+  openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
+  openssl rand -hex 24 > "$d/admin.token"
+  # token,user,uid,"groups": the admin is in system:masters (all of RBAC).
+  printf '%s,admin,admin,"system:masters"\n' "$(cat "$d/admin.token")" > "$d/tokens.csv"
+}
+
+write_kubeconfig() {
+  cat > "$STATE/kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: k8s-up
+  cluster:
+    server: https://127.0.0.1:$PORT
+    certificate-authority: $STATE/pki/ca.crt
+users:
+- name: admin
+  user:
+    token: $(cat "$STATE/pki/admin.token")
+contexts:
+- name: k8s-up
+  context: {cluster: k8s-up, user: admin, namespace: default}
+current-context: k8s-up
+EOF
+}
+
+# start <name> <cmd>...: run in the background, log to $STATE/logs/<name>.log, pid in $STATE/pids/<name>.pid
+start() {
+  local name=$1; shift
+  mkdir -p "$STATE/logs" "$STATE/pids"
+  if [[ -f $STATE/pids/$name.pid ]] && kill -0 "$(cat "$STATE/pids/$name.pid")" 2>/dev/null; then
+    log "$name already running (pid $(cat "$STATE/pids/$name.pid"))"; return
+  fi
+  "$@" > "$STATE/logs/$name.log" 2>&1 &
+  echo $! > "$STATE/pids/$name.pid"
+  log "started $name (pid $!)"
+}
+
+api() {  # api <curl args...>: an authenticated request to the API server
+  curl -sS --cacert "$STATE/pki/ca.crt" -H "Authorization: Bearer $(cat "$STATE/pki/admin.token")" "$@"
+}
+
+wait_for() {  # wait_for <what> <seconds> <command...>
+  local what=$1 secs=$2; shift 2
+  for ((i = 0; i < secs; i++)); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 1
+  done
+  log "timed out after ${secs}s waiting for $what"; return 1
+}
+
+cmd_up() {
+  cmd_build
+  command -v openssl >/dev/null || { log "openssl is required"; exit 1; }
+  mkdir -p "$STATE"
+  gen_certs
+  write_kubeconfig
+  local pki=$STATE/pki
+  start etcd "$BIN/etcd" --name k8s-up --data-dir "$STATE/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
+    --initial-cluster "k8s-up=http://127.0.0.1:$ETCD_PEER" --listen-metrics-urls "" --log-level warn
+  wait_for etcd 60 curl -sf "http://127.0.0.1:$ETCD_PORT/health"
+  start kube-apiserver "$BIN/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$ETCD_PORT" --bind-address 127.0.0.1 --advertise-address 127.0.0.1 \
+    --secure-port "$PORT" --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
+    --client-ca-file "$pki/ca.crt" --token-auth-file "$pki/tokens.csv" \
+    --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+    --service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16 \
+    --authorization-mode Node,RBAC --allow-privileged=true
+  wait_for kube-apiserver 120 api -f "https://127.0.0.1:$PORT/readyz"
+  start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$STATE/kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port "$KCM_PORT" --leader-elect=false \
+    --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
+    --cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
+    --use-service-account-credentials=false --controllers '*'
+  start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$STATE/kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port "$SCHED_PORT" --leader-elect=false
+  # kwok's binary has no built-in stages: take kwok's own "fast" node/pod stages (and node heartbeat) from
+  # its module (kustomize/stage/): nodes turn Ready, Pods Running+Ready, Job Pods Succeeded.
+  local kwokdir; kwokdir=$(cd "$tools/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+  local stages=$STATE/kwok-stages.yaml f
+  : > "$stages"
+  for f in "$kwokdir"/kustomize/stage/node/fast/node-initialize.yaml "$kwokdir"/kustomize/stage/node/heartbeat/node-heartbeat.yaml \
+    "$kwokdir"/kustomize/stage/pod/fast/pod-{ready,complete,delete}.yaml; do
+    { echo ---; cat "$f"; } >> "$stages"
+  done
+  start kwok "$BIN/kwok" --config "$stages" --kubeconfig "$STATE/kubeconfig" --server-address "127.0.0.1:$KWOK_PORT" \
+    --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
+    --cidr 10.244.0.1/16 --node-ip 127.0.0.1
+  local crds; crds=$(crd_dir)
+  log "installing KubeRay CRDs from $crds"
+  for f in "$crds"/ray.io_*.yaml; do
+    local code
+    code=$(api -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/yaml' --data-binary "@$f" \
+      "https://127.0.0.1:$PORT/apis/apiextensions.k8s.io/v1/customresourcedefinitions")
+    case $code in 201|409) ;; *) log "CRD $f: HTTP $code"; exit 1;; esac
+  done
+  wait_for "the RayJob CRD" 60 api -f "https://127.0.0.1:$PORT/apis/ray.io/v1/rayjobs"
+  KUBECONFIG=$STATE/kubeconfig start ray-operator "$BIN/ray-operator" \
+    --metrics-addr "127.0.0.1:$OP_METRICS" --health-probe-bind-address "127.0.0.1:$OP_PROBE" \
+    --enable-leader-election=false
+  wait_for ray-operator 60 curl -sf "http://127.0.0.1:$OP_PROBE/readyz"
+  echo "state: $STATE"
+  echo "export KUBECONFIG=$STATE/kubeconfig"
+}
+
+cmd_down() {
+  local order=(ray-operator kwok kube-scheduler kube-controller-manager kube-apiserver etcd)
+  for name in "${order[@]}"; do
+    local pf=$STATE/pids/$name.pid
+    [[ -f $pf ]] || continue
+    local pid; pid=$(cat "$pf")
+    if kill -0 "$pid" 2>/dev/null; then
+      kill "$pid"
+      for ((i = 0; i < 20; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+      kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+      log "stopped $name (pid $pid)"
+    fi
+    rm -f "$pf"
+  done
+}
+
+case ${1:-} in
+  build) cmd_build ;;
+  up) cmd_up ;;
+  down) cmd_down ;;
+  env) echo "export KUBECONFIG=$STATE/kubeconfig" ;;
+  *) echo "usage: $0 build|up|down|env" >&2; exit 2 ;;
+esac
