@@ -5,6 +5,7 @@ import copy
 import datetime
 import http.server
 import json
+import importlib.metadata
 import os
 import socket
 import threading
@@ -268,7 +269,9 @@ def test_worker_environment_cpu(monkeypatch):
     assert env["accelerator"] == {"type": "cpu", "count": 0, "names": [], "memory_gib": []}
     import job
 
-    assert env["versions"]["torch"] == env["packages"]["torch"] == torch.__version__
+    # The distribution's version: PyPI's CUDA wheel says 2.13.0 where torch.__version__ says 2.13.0+cu130.
+    assert env["versions"]["torch"] == env["packages"]["torch"] == importlib.metadata.version("torch")
+    assert torch.__version__.split("+")[0] == env["versions"]["torch"].split("+")[0]
     assert env["versions"]["job"] == getattr(job, "__version__", "unknown")
     assert env["driver_version"] == "unknown" and env["driver_source"]
     assert env["pod"] == {"digest": "unknown", "reason": "not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)"}
