@@ -174,9 +174,10 @@ def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     # The run record is this attempt's, resumed from that step, and remembers the failed attempt before it.
     record = evidence.load_record(run_dir)
     assert record["status"] == "succeeded" and record["extra"]["resumed_from"]["step"] == latest
-    # Rank 0 was SIGKILLed, so that attempt never closed its record: it shows as interrupted.
+    # Rank 0 was SIGKILLed, so its attempt's record was closed by the driver: failed, the worker lost.
     [attempt] = record["previous_attempts"]
-    assert attempt["status"] == "interrupted"
+    assert attempt["status"] == "failed"
+    assert (attempt["error"]["class"], attempt["error"]["reason"]) == ("infrastructure", "worker_lost")
     # ... and what it reached is read back from its metrics: its last logged step and when it was last seen.
     assert attempt["steps"] == 9 and attempt["ended_at"] >= attempt["started_at"]
     # An interrupted save of 8 included, older checkpoints are pruned.
