@@ -12,7 +12,7 @@ from conftest import REPO
 def test_benchmark_runs_every_launcher_and_prints_the_table(tmp_path):
     out = tmp_path / "rows.json"
     result = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "2",
+        [sys.executable, "bench/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "2",
          "--steps", "4", "--log-every", "1", "--skip", "1", "--only", "hf,hf-accum2,default,best-ray", "--out", str(out),
          "--profile-step", "3"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -42,7 +42,7 @@ def test_benchmark_runs_every_launcher_and_prints_the_table(tmp_path):
 def load_benchmark():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("benchmark", REPO / "scripts" / "benchmark.py")
+    spec = importlib.util.spec_from_file_location("benchmark", REPO / "bench" / "benchmark.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
     return benchmark
@@ -87,7 +87,7 @@ def test_peer_rows_reach_their_scripts_which_refuse_them_without_cuda(tmp_path, 
     torchrun with the row's options (and the ones every peer script takes, `peer_parser`)."""
     out = tmp_path / "rows.json"
     result = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "1",
+        [sys.executable, "bench/benchmark.py", "--preset", "qwen2-tiny", "--seq-len", "32", "--cpu", "--gpus", "1",
          "--steps", "4", "--log-every", "1", "--skip", "1", "--only", variant, "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )

@@ -1,7 +1,7 @@
 """`parallel.float8` (torchao float8 training of the linear layers): never on by default, refused clearly where it
 cannot run (no CUDA GPU of compute capability >= 8.9, no torchao, fp32 compute), and, where torchao is
 installed (requirements-dev.txt), the conversion swaps exactly the decoder layers' projections of a tiny model.
-The float8 GEMMs themselves need the GPU (scripts/device-bench.sh issue19, scripts/fp8_parity.sh)."""
+The float8 GEMMs themselves need the GPU (bench/device-bench.sh issue19, bench/fp8_parity.py)."""
 
 import re
 import sys
@@ -54,7 +54,7 @@ def test_without_torchao_the_driver_and_the_worker_name_the_package_and_the_fix(
 
 def test_torchao_pin_is_the_same_everywhere():
     dev = dict(re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)", (REPO / "requirements-dev.txt").read_text(), re.M))
-    wheels = re.findall(r"^\s+torchao==(\S+)$", (REPO / "scripts" / "device-wheels.sh").read_text(), re.M)
+    wheels = re.findall(r"^\s+torchao==(\S+)$", (REPO / "bench" / "device-wheels.sh").read_text(), re.M)
     assert dev["torchao"] == packages.TORCHAO_VERSION and wheels == [packages.TORCHAO_VERSION]
 
 
@@ -81,7 +81,7 @@ def test_conversion_skips_layers_whose_widths_are_not_multiples_of_16():
 
 
 def test_parity_script_runs_bf16_and_reports_a_float8_run_that_cannot_start(tmp_path):
-    """scripts/fp8_parity.py on CPU: the bf16 run trains and is tabled; the float8 one is refused by the job's config
+    """bench/fp8_parity.py on CPU: the bf16 run trains and is tabled; the float8 one is refused by the job's config
     check (CPU workers) and reported as FAILED, so the verdict is not PASS."""
     import json
     import subprocess
@@ -93,7 +93,7 @@ def test_parity_script_runs_bf16_and_reports_a_float8_run_that_cannot_start(tmp_
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(tiny_run_config(tmp_path, scaling={"num_workers": 1})))
     proc = subprocess.run(
-        [sys.executable, "scripts/fp8_parity.py", "--config", str(config), "--steps", "6", "--eval-every", "3",
+        [sys.executable, "bench/fp8_parity.py", "--config", str(config), "--steps", "6", "--eval-every", "3",
          "--log-every", "2", "--skip", "1", "--storage", str(tmp_path / "parity")],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     out = proc.stdout

@@ -1,4 +1,4 @@
-"""scripts/hf_trainer_baseline.py runs end to end on CPU (qwen2-tiny preset, fp32, 1 process)."""
+"""bench/hf_trainer_baseline.py runs end to end on CPU (qwen2-tiny preset, fp32, 1 process)."""
 
 import json
 import math
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from job.architecture import PRESETS
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "hf_trainer_baseline.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "hf_trainer_baseline.py"
 
 
 def test_tiny_cpu_run_prints_json_line(tmp_path):
