@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A live control plane on loopback for the chart: etcd, kube-apiserver, kube-controller-manager (garbage
 # collector), kube-scheduler, kwok (simulated nodes and Pod status) and the KubeRay operator out of cluster.
-# Every binary is built from the Go module proxy by module version, through the wrapper modules under
-# k8s/tools/<component>/ (their go.mod/go.sum pin the upstream versions), into a cache outside the repo.
+# Every binary is built from upstream source by module version, through the wrapper modules under
+# k8s/tools/<component>/ (their go.mod/go.sum pin the upstream versions; sources from the Go module proxy),
+# into a cache outside the repo.
 #
 # Usage: scripts/k8s-up.sh build   build every missing binary into $K8S_CACHE/bin (a missing one is built, never skipped)
 #        scripts/k8s-up.sh up      build, then start everything; prints the state dir and the kubeconfig
@@ -12,11 +13,10 @@
 # K8S_CACHE   (default ~/.cache/ray-finetune/k8s): bin/ holds the binaries
 # K8S_STATE   (default $K8S_CACHE/state): certs, keys, token, kubeconfig, etcd data, logs, pid files
 # K8S_PORT    (default 26443): kube-apiserver's secure port; the other components take fixed ports near it
-# K8S_CRDS    (default ../shared/kuberay-crds when present, else the operator module's config/crd/bases)
-# RAY_OPERATOR_TOOL (default ray-operator): the wrapper module under k8s/tools/ for the KubeRay operator.
-#     The chart targets v1.7.0 (k8s/tools/ray-operator), but the Go module proxy answers 403 "This module
-#     version is not available" for ray-operator@v1.7.0.zip; RAY_OPERATOR_TOOL=ray-operator-v1.6.0 builds the
-#     newest version it serves instead (docs/chart.md, "Live control plane").
+# K8S_CRDS    (default ../shared/kuberay-crds, the chart's v1.7.0 CRDs; required when that is absent)
+#
+# The KubeRay operator is v1.7.0, the version the chart targets: the proxy refuses its zip (403), so its source is
+# vendored unchanged in k8s/third_party/kuberay-ray-operator (checked against its SHA256SUMS before each build).
 set -euo pipefail
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -32,41 +32,58 @@ SCHED_PORT=$((PORT - 6184))     # 20259
 KWOK_PORT=$((PORT - 6196))      # 20247
 OP_METRICS=$((PORT - 6363))     # 20080
 OP_PROBE=$((PORT - 6362))       # 20081
-RAY_OPERATOR_TOOL=${RAY_OPERATOR_TOOL:-ray-operator}
 NICE=(nice -n "${K8S_NICE:-19}")
 
 log() { echo "k8s-up: $*" >&2; }
 
-# build_one <tool dir> <output> <package>...: go build in the wrapper module, timed, into $BIN.
+# build_one <tool dir> <output> <go build flags and packages>...: go build in the wrapper module, timed, into $BIN; skipped when the
+# binaries were built from the same go.mod/go.sum and flags (a stamp per wrapper), so a version bump rebuilds.
+# A wrapper whose go.mod replaces a module with vendored source (k8s/third_party/*) has that source checked
+# against its SHA256SUMS first, and the list is part of the stamp.
 build_one() {
   local dir=$1 out=$2; shift 2
+  local stamp=$BIN/.$dir.stamp sum vendored
+  vendored=$(sed -n 's|^replace .* => \(\.\./.*\)$|\1|p' "$tools/$dir/go.mod")
+  if [[ -n $vendored ]]; then
+    (cd "$tools/$dir/$vendored" && sha256sum --check --quiet SHA256SUMS) ||
+      { log "k8s/tools/$dir/$vendored differs from its SHA256SUMS: vendored source is kept unchanged"; exit 1; }
+  fi
+  sum=$({ cat "$tools/$dir/go.mod" "$tools/$dir/go.sum" ${vendored:+"$tools/$dir/$vendored/SHA256SUMS"}; echo "$*"; } |
+        sha256sum | cut -d' ' -f1)
+  [[ -f $stamp && $(cat "$stamp") == "$sum" ]] && return
   mkdir -p "$BIN"
   log "building $out from k8s/tools/$dir ($*)"
   local t0=$SECONDS
   (cd "$tools/$dir" && GOFLAGS=-mod=readonly "${NICE[@]}" go build -trimpath -o "$out" "$@")
+  echo "$sum" > "$stamp"
   log "built $out in $((SECONDS - t0))s"
 }
 
 cmd_build() {
   command -v go >/dev/null || { log "go is required (Go 1.26) to build the control plane"; exit 1; }
-  if [[ ! -x $BIN/kube-apiserver || ! -x $BIN/kube-controller-manager || ! -x $BIN/kube-scheduler ]]; then
-    build_one kubernetes "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
-      k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
-  fi
-  [[ -x $BIN/etcd ]] || build_one etcd "$BIN/etcd" go.etcd.io/etcd/server/v3
-  [[ -x $BIN/kwok ]] || build_one kwok "$BIN/kwok" sigs.k8s.io/kwok/cmd/kwok
-  [[ -x $BIN/ray-operator ]] || build_one "$RAY_OPERATOR_TOOL" "$BIN/ray-operator" github.com/ray-project/kuberay/ray-operator
+  # One build at a time per cache: a second `build` or `up` (scripts/test.sh builds in the background while the
+  # tests start) waits here, then finds every stamp current.
+  mkdir -p "$BIN"
+  exec {lock}> "$BIN/.build.lock"
+  flock "$lock"
+  # The version the server reports (helm checks a chart's kubeVersion against it) is stamped at link time,
+  # as Kubernetes' own release build does; a plain go build reports v0.0.0-master.
+  local k8s; k8s=$(cd "$tools/kubernetes" && go list -m -f '{{.Version}}' k8s.io/kubernetes)
+  local v=k8s.io/component-base/version minor=${k8s#v1.}; minor=${minor%%.*}
+  build_one kubernetes "$BIN/" -ldflags "-X $v.gitVersion=$k8s -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=clean" \
+    k8s.io/kubernetes/cmd/kube-apiserver \
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+  build_one etcd "$BIN/etcd" go.etcd.io/etcd/server/v3
+  build_one kwok "$BIN/kwok" sigs.k8s.io/kwok/cmd/kwok
+  build_one ray-operator "$BIN/ray-operator" github.com/ray-project/kuberay/ray-operator
   du -sh "$BIN" >&2
-}
-
-operator_module_dir() {
-  (cd "$tools/$RAY_OPERATOR_TOOL" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)
+  exec {lock}>&-  # the components `up` starts next must not inherit (and hold) the lock
 }
 
 crd_dir() {
   if [[ -n ${K8S_CRDS:-} ]]; then echo "$K8S_CRDS"
   elif [[ -d $repo_root/../shared/kuberay-crds ]]; then (cd "$repo_root/../shared/kuberay-crds" && pwd)
-  else echo "$(operator_module_dir)/config/crd/bases"; fi
+  else log "no KubeRay CRDs: set K8S_CRDS to a directory of them (the vendored operator carries none)"; exit 1; fi
 }
 
 gen_certs() {
@@ -123,13 +140,17 @@ api() {  # api <curl args...>: an authenticated request to the API server
   curl -sS --cacert "$STATE/pki/ca.crt" -H "Authorization: Bearer $(cat "$STATE/pki/admin.token")" "$@"
 }
 
-wait_for() {  # wait_for <what> <seconds> <command...>
-  local what=$1 secs=$2; shift 2
+wait_for() {  # wait_for <component> <seconds> <command...>: until the command succeeds; fails early if it exits
+  local name=$1 secs=$2; shift 2
   for ((i = 0; i < secs; i++)); do
     if "$@" >/dev/null 2>&1; then return 0; fi
+    if [[ -f $STATE/pids/$name.pid ]] && ! kill -0 "$(cat "$STATE/pids/$name.pid")" 2>/dev/null; then
+      log "$name exited; the end of $STATE/logs/$name.log:"; tail -n 20 "$STATE/logs/$name.log" >&2; return 1
+    fi
     sleep 1
   done
-  log "timed out after ${secs}s waiting for $what"; return 1
+  log "timed out after ${secs}s waiting for $name; the end of its log:"; tail -n 20 "$STATE/logs/$name.log" >&2
+  return 1
 }
 
 cmd_up() {
@@ -150,7 +171,7 @@ cmd_up() {
     --client-ca-file "$pki/ca.crt" --token-auth-file "$pki/tokens.csv" \
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16 \
-    --authorization-mode Node,RBAC --allow-privileged=true
+    --authorization-mode Node,RBAC --allow-privileged=true --endpoint-reconciler-type none
   wait_for kube-apiserver 120 api -f "https://127.0.0.1:$PORT/readyz"
   start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$STATE/kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$KCM_PORT" --leader-elect=false \
@@ -179,7 +200,7 @@ cmd_up() {
       "https://127.0.0.1:$PORT/apis/apiextensions.k8s.io/v1/customresourcedefinitions")
     case $code in 201|409) ;; *) log "CRD $f: HTTP $code"; exit 1;; esac
   done
-  wait_for "the RayJob CRD" 60 api -f "https://127.0.0.1:$PORT/apis/ray.io/v1/rayjobs"
+  wait_for kube-apiserver 60 api -f "https://127.0.0.1:$PORT/apis/ray.io/v1/rayjobs"
   KUBECONFIG=$STATE/kubeconfig start ray-operator "$BIN/ray-operator" \
     --metrics-addr "127.0.0.1:$OP_METRICS" --health-probe-bind-address "127.0.0.1:$OP_PROBE" \
     --enable-leader-election=false

@@ -1,17 +1,34 @@
 #!/usr/bin/env bash
 # Set up the environments, then run every test on the pinned dependency set (.venv) and the tests marked
 # `image_set` again on the Ray image's library versions (.venv-image, Python 3.13). Extra arguments go to both
-# pytest runs; IMAGE_SET=0 skips the second (for a quick local run; CI runs both).
+# pytest runs; IMAGE_SET=0 skips the second (for a quick local run; CI runs both). Prints each leg's time.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh --dev
-.venv/bin/python -m pytest -q "$@" tests
+legs=()
+leg() {  # leg <name> <command...>: run and time one leg
+  local name=$1 t0=$SECONDS status=0; shift
+  "$@" || status=$?
+  legs+=("$name: $((SECONDS - t0)) s (exit $status)")
+  return $status
+}
+report() { printf '# leg times\n'; printf '#   %s\n' "${legs[@]}"; }
+trap report EXIT
+
+# The live control plane of tests/test_k8s_live.py is built from source (minutes of CPU when cold): build it in
+# the background beside the Python setup, which mostly downloads; the test module's `up` waits for it (a lock).
+build_log=${K8S_CACHE:-$HOME/.cache/ray-finetune/k8s}/build.log
+mkdir -p "$(dirname "$build_log")"
+( t0=$SECONDS status=0; bash scripts/k8s-up.sh build > "$build_log" 2>&1 || status=$?
+  echo "# control-plane build (background, $build_log): $((SECONDS - t0)) s (exit $status)" ) &
+
+leg "setup (.venv, helm)" bash scripts/setup.sh --dev
+leg "pinned tests" .venv/bin/python -m pytest -q --durations=25 "$@" tests  # the slowest tests: where the suite's time goes
 [[ "${IMAGE_SET:-1}" == 0 ]] && exit 0
-bash scripts/setup.sh --image
+leg "setup (.venv-image)" bash scripts/setup.sh --image
 echo "# the image's library versions: $(.venv-image/bin/python -c 'import platform, ray, torch, transformers
 print(f"Python {platform.python_version()}, Ray {ray.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")')"
 status=0
-.venv-image/bin/python -m pytest -q -m image_set "$@" tests || status=$?
+leg "image-set tests" .venv-image/bin/python -m pytest -q -m image_set "$@" tests || status=$?
 # Extra arguments may select no image_set test (pytest exit 5): that is not a failure of this set.
 [[ $status == 5 ]] && exit 0
 exit $status

@@ -25,6 +25,36 @@ def pytest_configure(config):
                                        "(requirements-image.txt; scripts/test.sh runs them on .venv-image)")
 
 
+@pytest.fixture(scope="module")
+def helm_home(tmp_path_factory):
+    """helm's own state (repositories, cache, registry logins) in the test's temporary directory."""
+    home = tmp_path_factory.mktemp("helm-home")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
+            mp.setenv(var, str(home / var.lower()))
+        yield home
+
+
+@pytest.fixture(scope="module")
+def chart_package(tmp_path_factory) -> Path:
+    """`helm package` of the repository's chart: the .tgz."""
+    from chart_helpers import helm
+    from job import __version__
+
+    out = tmp_path_factory.mktemp("package")
+    helm("package", str(REPO), "--destination", str(out))
+    return out / f"ray-finetune-{__version__}.tgz"
+
+
+@pytest.fixture
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 (bounded to the test) with bucket `runs`: the AWS environment pointing at it."""
+    from servers import moto_s3
+
+    with moto_s3() as env:
+        yield env
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance shared by every test that runs a Ray Train job (starting Ray costs seconds)."""
@@ -33,6 +63,16 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def single_process(tmp_path):
+    """A one-process gloo group, for code that makes collective calls (FSDP2, DCP, the training step)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def tiny_run_config(tmp_path: Path, **sections) -> dict:

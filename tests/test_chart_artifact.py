@@ -5,7 +5,12 @@ as JSON, gzip-compressed at the best level, then base64 (helm's `pkg/storage/dri
 holds at most 1 MiB, so a release over that is refused by the API server (`data: Too long`) while `helm template`
 and `--dry-run` still pass. The release JSON here is helm's own: `helm install --dry-run=client -o json` prints
 the release object it would store. The job package also travels in one ConfigMap (same 1 MiB limit).
-Both stay under half the limit, so a growing job package or a stray file fails here, not at a user's install.
+
+The bytes that grow are the job package's, and the release holds them twice (as chart files and in the rendered
+ConfigMap), so the job has the tighter budget: its ConfigMap stays under half the limit. The release's budget is
+set so that a job at that cap still fits it (measured 2026-12-03: release ~= 70 KB + 1.04 x the job's bytes, so a
+512 KiB job gives ~615 KB), and the margin above it is for user values and templates. A growing job package or a
+stray file fails here, not at a user's install.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from chart_helpers import REPO, helm, profile_commands
 
 OBJECT_LIMIT = 1024 * 1024
 """The API server's limit on a Secret's or ConfigMap's data (bytes)."""
-BUDGET = OBJECT_LIMIT // 2
-"""What the release Secret and the job ConfigMap may use of that limit."""
+JOB_BUDGET = OBJECT_LIMIT // 2
+"""What the job ConfigMap may use of that limit."""
+RELEASE_BUDGET = OBJECT_LIMIT * 5 // 8
+"""What the release Secret may use of it: a job at its own budget fits, with room for values and templates."""
 PACKAGE_TOP_LEVEL = {"Chart.yaml", "Chart.lock", "values.yaml", "values.schema.json", "README.md", ".helmignore",
                      "templates", "charts", "values", "job"}
 """Everything a package may hold at its top level: the chart, its profiles, the library subchart, the job."""
@@ -62,7 +69,7 @@ def test_a_release_of_the_package_fits_in_its_secret(package, args):
     release = json.loads(helm("install", "exp1", str(package), "--namespace", "experiments",
                               "--dry-run=client", "--output", "json", *args).stdout)
     size = stored_release_bytes(release)
-    assert size <= BUDGET, (f"the stored release is {size:,} bytes, over the budget of {BUDGET:,} "
+    assert size <= RELEASE_BUDGET, (f"the stored release is {size:,} bytes, over the budget of {RELEASE_BUDGET:,} "
                             f"(limit {OBJECT_LIMIT:,}); largest chart files (base64): {largest_files(release)}")
 
 
@@ -71,5 +78,5 @@ def test_the_job_configmap_fits_its_budget(package):
     (job_files,) = [doc for doc in yaml.safe_load_all(release["manifest"])
                     if doc and doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-job")]
     size = sum(len(value.encode()) for value in job_files["data"].values())
-    assert size <= BUDGET, f"the job ConfigMap holds {size:,} bytes, over the budget of {BUDGET:,}"
+    assert size <= JOB_BUDGET, f"the job ConfigMap holds {size:,} bytes, over the budget of {JOB_BUDGET:,}"
 

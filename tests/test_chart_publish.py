@@ -3,103 +3,40 @@
 Real servers on loopback: the OCI registry is go-containerregistry's `cmd/registry` (built from the Go module
 proxy into a cache outside the repository the first time; a missing binary is built, never skipped), the classic
 repository is an `index.yaml` made by `helm repo index` and served over HTTP. helm's own state (repositories,
-cache, registry logins) lives in the test's temporary directory. Installs are `--dry-run=client`: pulling,
-verifying and rendering the published chart; a live API server comes with issue 30's control plane.
+cache, registry logins) lives in the test's temporary directory. Installs here are `--dry-run=client`: pulling,
+verifying and rendering the published chart; tests/test_k8s_live.py installs and upgrades from the registry into
+a live API server.
 """
 
 from __future__ import annotations
 
-import functools
-import http.server
 import os
-import socket
 import subprocess
 import tarfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from chart_helpers import REPO, helm
+from servers import oci_registry, static_http
 
 from job import __version__ as chart_version
-
-REGISTRY_MODULE = "github.com/google/go-containerregistry/cmd/registry@v0.22.1"
-TOOLS_BIN = Path(os.environ.get("RAY_FINETUNE_CACHE", Path.home() / ".cache" / "ray-finetune")) / "bin"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"{process.args} exited with {process.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    pytest.fail(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
-
-
-@pytest.fixture(scope="module")
-def helm_home(tmp_path_factory, monkeypatch_module):
-    home = tmp_path_factory.mktemp("helm-home")
-    for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
-        monkeypatch_module.setenv(var, str(home / var.lower()))
-    return home
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("package")
-    helm("package", str(REPO), "--destination", str(out))
-    return out / f"ray-finetune-{chart_version}.tgz"
 
 
 @pytest.fixture(scope="module")
 def registry(helm_home):
-    """An OCI registry on 127.0.0.1 (in-memory): its host:port."""
-    binary = TOOLS_BIN / "registry"
-    if not binary.exists():
-        subprocess.run(["go", "install", REGISTRY_MODULE], env={**os.environ, "GOBIN": str(TOOLS_BIN)}, check=True)
-    port = free_port()
-    process = subprocess.Popen([str(binary), "-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, process)
-        yield f"127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with oci_registry() as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
-def chart_repository(tmp_path_factory, package, helm_home):
+def chart_repository(tmp_path_factory, chart_package, helm_home):
     """A classic chart repository (index.yaml + package) served over HTTP on 127.0.0.1: its URL."""
     root = tmp_path_factory.mktemp("chart-repo")
-    (root / package.name).write_bytes(package.read_bytes())
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    helm("repo", "index", str(root), "--url", url)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    (root / chart_package.name).write_bytes(chart_package.read_bytes())
+    with static_http(root) as url:
+        helm("repo", "index", str(root), "--url", url)
         yield url
-    finally:
-        server.shutdown()
 
 
 def installed_chart(*args: str) -> dict:
@@ -108,8 +45,8 @@ def installed_chart(*args: str) -> dict:
     return yaml.safe_load(out)["chart"]["metadata"]
 
 
-def test_push_to_an_oci_registry_then_install_by_version(registry, package):
-    pushed = helm("push", str(package), f"oci://{registry}/charts", "--plain-http")
+def test_push_to_an_oci_registry_then_install_by_version(registry, chart_package):
+    pushed = helm("push", str(chart_package), f"oci://{registry}/charts", "--plain-http")
     assert f"Pushed: {registry}/charts/ray-finetune:{chart_version}" in pushed.stdout + pushed.stderr
     metadata = installed_chart(f"oci://{registry}/charts/ray-finetune", "--version", chart_version, "--plain-http")
     assert metadata["version"] == chart_version

@@ -1,0 +1,4 @@
+// +kubebuilder:object:generate=true
+// +groupName=ray.io
+
+package v1

@@ -1,0 +1,90 @@
+"""Servers on loopback for tests and benchmarks: an OCI registry (go-containerregistry's `cmd/registry`, built from
+the Go module proxy into a cache outside the repository on first use; a missing binary is built, never skipped), a
+static HTTP server (a classic `index.yaml` chart repository) and a local S3 (moto)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REGISTRY_MODULE = "github.com/google/go-containerregistry/cmd/registry@v0.22.1"
+TOOLS_BIN = Path(os.environ.get("RAY_FINETUNE_CACHE", Path.home() / ".cache" / "ray-finetune")) / "bin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{process.args} exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def oci_registry() -> Iterator[str]:
+    """An in-memory OCI registry on 127.0.0.1: its host:port."""
+    binary = TOOLS_BIN / "registry"
+    if not binary.exists():
+        subprocess.run(["go", "install", REGISTRY_MODULE], env={**os.environ, "GOBIN": str(TOOLS_BIN)}, check=True)
+    port = free_port()
+    process = subprocess.Popen([str(binary), "-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, process)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def static_http(root: Path) -> Iterator[str]:
+    """`root` served over HTTP on 127.0.0.1: its URL."""
+    port = free_port()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str = "runs") -> Iterator[dict[str, str]]:
+    """A moto S3 server on 127.0.0.1 with `bucket` created: the AWS environment pointing at it."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, server)
+        env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
+        import boto3
+
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
+                     aws_secret_access_key="test", region_name="us-east-1").create_bucket(Bucket=bucket)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
