@@ -7,8 +7,8 @@ per-worker loop: build → train → finish), `evaluate` (held-out loss,
 generation, task evaluation), `checkpoint` (asynchronous save, resume), `export` (the checked Hugging Face export),
 `metrics` (MFU, metric log, time accounting and goodput, one-step profiler), `nccl` (transport from NCCL's log),
 `environment` (worker inventory, image digest), `preflight` (bandwidth and transport checks),
-`packages` (optional packages: s3fs, datasets), `evidence` (run record, compare), `report` (markdown and
-plots), `launch` (driver: Ray Train or torchrun, and the `Launcher` the loop calls), `__main__` (CLI).
+`packages` (optional packages: s3fs, datasets), `evidence` (run record, compare), `runs` (the run index),
+`report` (markdown and plots), `launch` (driver: Ray Train or torchrun, and the `Launcher` the loop calls), `__main__` (CLI).
 """
 
 __version__ = "0.2.0"

@@ -1,6 +1,7 @@
 """Command line.
 
     python -m job [run] --config run.yaml [--set key=value ...]   train (or preflight, per `mode`)
+    python -m job runs STORAGE [--status S] [--where F=V] [--json]  the runs under a storage path (job/runs.py)
     python -m job compare RUN_A RUN_B                              what differs between two runs' records
     python -m job report RUN_DIR [--out DIR]                       markdown summary and plots of a run
     python -m job accept EXPORT_DIR                                re-check an exported model (fresh process)
@@ -22,20 +23,18 @@ STARTED_AT = time.time()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
-from . import checkpoint as checkpoint_lib  # noqa: E402
 from . import config as config_lib  # noqa: E402
-from . import data as data_lib  # noqa: E402
-from . import failures, launch, packages  # noqa: E402
-
-IMPORTED_AT = time.time()
+from . import failures, packages  # noqa: E402
 
 
 COMMANDS = """commands:
   run (default)       train (or only the preflight, per the config's `mode`)
-  compare RUN_A RUN_B what differs between two runs' records (run.json)
-  report RUN_DIR      markdown summary and plots of a run
+  runs STORAGE        the runs under a storage path: status, steps, goodput, loss, failure (filters, --json)
+  compare RUN_A RUN_B what differs between two runs' records (run.json); names with --storage
+  report RUN_DIR      markdown summary and plots of a run; a name with --storage
   accept EXPORT_DIR   re-check an exported model in a fresh process
   schema              JSON Schema of the run config"""
 
@@ -53,22 +52,34 @@ def main(argv: list[str] | None = None) -> int:
         from .report import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["runs"]:
+        from .runs import main as runs_main
+
+        return runs_main(argv[1:])
     if argv[:1] == ["accept"]:
         return _accept(argv[1:])
     if argv[:1] == ["run"]:
         argv = argv[1:]
+    # Training's imports (torch) here, not at the top: the other commands start in well under a second.
+    from . import checkpoint as checkpoint_lib
+    from . import data as data_lib
+    from . import launch
+
+    imported_at = time.time()
     parser = argparse.ArgumentParser(prog="python -m job [run]", description="FSDP2 fine-tune under Ray Train.",
                                      epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
+    cfg = recordable = None  # the run directory, once checked writable: a refusal from there on is recorded
     try:
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
         run_dir = launch.run_directory(cfg)
         launch.check_before_start(cfg, run_dir)
+        recordable = run_dir
         # When each of the driver's startup steps ended (metrics.Timeline).
-        startup = {"imports": IMPORTED_AT, "checks": time.time()}
+        startup = {"imports": imported_at, "checks": time.time()}
         if launch.under_torchrun():
             launch.run_with_torchrun(launch.prepare(cfg, run_dir, STARTED_AT, startup))
             return 0
@@ -82,23 +93,46 @@ def main(argv: list[str] | None = None) -> int:
     except config_lib.ConfigError as e:
         for message in e.messages:
             print(f"config error: {message}", file=sys.stderr)
+        _record_refusal(cfg, recordable, e)
         return 2
     except packages.MissingPackage as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except checkpoint_lib.CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
+        _record_refusal(cfg, recordable, failures.error("config", "resume_refused", str(e), exception=type(e).__name__))
         return 1
     except data_lib.DataError as e:
         print(f"data error: {e}", file=sys.stderr)
+        _record_refusal(cfg, recordable, e)
         return 2
-    with failures.driver_watch(run_dir):  # the heartbeat; a record left running closed on an exception
-        error = launch.run_with_ray(cfg, loop_config)
+    try:
+        # The heartbeat; SIGINT/SIGTERM stop the run (`cancelled`); a record left running closed on an exception.
+        with failures.driver_watch(run_dir):
+            error = launch.run_with_ray(cfg, loop_config)
+    except failures.Cancelled as e:
+        print(f"run cancelled: {e}\nrun directory: {run_dir}", file=sys.stderr)
+        return failures.exit_status(e)
     print(f"run directory: {run_dir}", flush=True)
     if error:
         print(f"run failed: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> None:
+    """A run refused once its run directory exists (`launch.check_before_start` created and wrote it: a bad data
+    row, a refused resume, a worker group the cluster cannot place) gets a `failed` record of this attempt,
+    written by the driver (rank 0 of torchrun's processes). Refused before that (the config, the packages, the
+    storage itself, the model's settings), there is nowhere to write one: the exit status and the message are the whole record."""
+    from . import evidence, launch
+
+    if run_dir is None or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, STARTED_AT))
+    except Exception as e:  # the refusal's message is already out; a record that cannot be written must not hide it
+        print(f"cannot record the failure in {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _accept(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ refuse a restart when a listed checkpoint is gone, and prune without knowing whi
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
@@ -307,7 +308,7 @@ def _writer(uri: str):
 
         return FsspecWriter(uri)
     # Several files per rank, written in parallel: one stream does not fill a fast disk. On the H200 machine's
-    # disk (scripts/bench_dcp_write.py, 8.4 GB fsynced) 4 threads wrote 1.49 GB/s, 8 1.71, 16 1.73.
+    # disk (bench/dcp_write.py, 8.4 GB fsynced) 4 threads wrote 1.49 GB/s, 8 1.71, 16 1.73.
     return FileSystemWriter(storage.local_path(uri), thread_count=8)
 
 
@@ -373,6 +374,7 @@ class Checkpointer:
         self.writer: dict = {}  # {"writer": "process" | "thread", "reason": ...}, chosen by `prepare`
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
         self.pending = None  # (step, uri, future of the write, returning its seconds)
+        self.writer_start = None  # future of the writer process's start (`prepare`), until the first save
         self.arch: dict = {}
 
     def prepare(self, model: CausalLMWithLoss) -> dict:
@@ -383,9 +385,32 @@ class Checkpointer:
         layout = first_save_layout(model)
         self.writer = choose_writer(self.cfg.checkpoint.async_writer, layout, self.group)
         self.stager = HostStager(pin=self.device.type == "cuda", shared=self.writer["writer"] == "process")
+        if self.writer["writer"] == "process":
+            self._start_writer_process()
         start = time.perf_counter()
         self.stager.allocate(layout)
         return {**self.writer, "allocate_s": round(time.perf_counter() - start, 3)}
+
+    def _start_writer_process(self) -> None:
+        """Starts DCP's writer process now, in the write thread, while the first steps run, instead of in the
+        first save's write: its start (a spawned interpreter importing torch, then its gloo group) took 6.1 s of a
+        2-core machine's first write, in which a crash lost that save too (issue 33). The first `save` waits for
+        it, so that no write is slower than the write itself. Collective: the ranks agree on the writers'
+        rendezvous here. Skipped where DCP's internals differ (then the first save starts it)."""
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as process_executor
+
+            if process_executor._CHECKPOINT_PROCESS is not None:
+                return
+            init_info = process_executor._ProcessGroupInitInfo(self.group)
+        except (ImportError, AttributeError):
+            return
+
+        def start() -> None:
+            if process_executor._CHECKPOINT_PROCESS is None:
+                process_executor._CHECKPOINT_PROCESS = process_executor._AsyncCheckpointProcess(init_info)
+
+        self.writer_start = self.executor.submit(start)
 
     def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Starts saving `step`; returns once the state is staged in host memory."""
@@ -394,6 +419,9 @@ class Checkpointer:
         self.finish()
         if self.stager is None:
             self.prepare(model)
+        if self.writer_start is not None:  # training waits here, at most once, rather than the first write
+            self.writer_start.exception()  # a failed start is retried, and raises, in the write
+            self.writer_start = None
         rank = dist.get_rank()
         uri = storage.join(self.run_dir, step_dir(step))
         if rank == 0:
@@ -403,24 +431,25 @@ class Checkpointer:
         staged = self.stager.stage({"model": model_sd, "optim": optim_sd})
         rng = _torch_bytes(_rng_state())
         self.arch = _arch(model.lm.config)
-        self.pending = (step, uri, self.executor.submit(self._write, staged, uri, rng, rank))
+        self.pending = (step, uri, self.executor.submit(self._write, staged, step, uri, rng, rank, time.perf_counter()))
         if not self.cfg.checkpoint.async_save:
             self.finish()
 
-    def _write(self, staged: dict, uri: str, rng: bytes, rank: int) -> tuple[float, float]:
-        """Writes this rank's part of checkpoint `uri`; returns (seconds in all, of them checksumming)."""
+    def _write(self, staged: dict, step: int, uri: str, rng: bytes, rank: int, start: float) -> tuple[float, float]:
+        """Writes this rank's part of checkpoint `uri`; returns (seconds since the save was staged at `start`, a
+        wait for the writer process's start included; of them checksumming)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        start = time.perf_counter()
         # The writer process, even for the last save, after which no step would suffer a writer thread's hold on
         # the interpreter: the evaluations and the export would (run 25: the final held-out pass took 21.8 s
         # beside a writer thread, 3.1 s beside the process).
-        if self.writer["writer"] == "process":  # DCP's writer process, started by the first save
+        if self.writer["writer"] == "process":  # DCP's writer process, started by `prepare`
             dcp.async_save(staged, storage_writer=_writer(uri), process_group=self.group,
                            async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=ALREADY_STAGED).result()
         else:
             dcp.save(staged, storage_writer=_writer(uri), process_group=self.group)
+        maybe_fail(self.cfg, step, rank, self.run_dir, in_write=True)  # after DCP's collectives: no rank hangs
         storage.write_atomic(storage.join(uri, "rng", f"rank{rank:05d}.pt"), rng)
         written = time.perf_counter()
         write_checksums(uri, rank)
@@ -764,14 +793,29 @@ def write_pid(run_dir: str, rank: int) -> None:
         storage.write_atomic(storage.join(run_dir, "workers", f"rank{rank}.pid"), str(os.getpid()).encode())
 
 
-def maybe_fail(cfg: config_lib.RunConfig, step: int, rank: int, run_dir: str) -> None:
-    """`debug.fail_at_step`: the chosen rank SIGKILLs itself on reaching the step, once per run name."""
+LOGGED_LOSS_FACTOR = {"loss_spike": 10.0, "nan": float("nan")}
+"""The `debug.fail_mode`s that change the rank's logged loss from their step on, by this factor."""
+
+
+def maybe_fail(cfg: config_lib.RunConfig, step: int, rank: int, run_dir: str, in_write: bool = False) -> float | None:
+    """`debug.fail_at_step`: the chosen rank fails on reaching the step as `debug.fail_mode` says, once per run
+    name: `kill`, `exception` and `hang` at the step's start, `disk_full` in the step's checkpoint write
+    (`in_write`). Returns the factor of `loss_spike` and `nan` when they fire (the loop then scales this rank's
+    logged loss by it), else None."""
     d = cfg.debug
-    if d.fail_at_step != step or d.fail_rank != rank:
-        return
+    if d.fail_at_step != step or d.fail_rank != rank or in_write != (d.fail_mode == "disk_full"):
+        return None
     marker = storage.join(run_dir, "faults", f"step{step}-rank{rank}")
     if storage.exists(marker):
-        return
+        return None
     storage.write_atomic(marker, f"{time.time()}\n".encode())
-    print(f"debug.fail_at_step: rank {rank} (pid {os.getpid()}) kills itself at step {step}", flush=True)
+    print(f"debug.fail_at_step: rank {rank} (pid {os.getpid()}) fails at step {step} ({d.fail_mode})", flush=True)
+    if d.fail_mode in LOGGED_LOSS_FACTOR:
+        return LOGGED_LOSS_FACTOR[d.fail_mode]
+    if d.fail_mode == "exception":
+        raise RuntimeError(f"debug.fail_at_step: injected failure at step {step} on rank {rank}")
+    if d.fail_mode == "disk_full":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (debug.fail_mode: disk_full)")
+    while d.fail_mode == "hang":  # before the step's first collective, in which the other ranks then wait
+        time.sleep(60)
     os.kill(os.getpid(), signal.SIGKILL)

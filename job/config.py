@@ -174,6 +174,22 @@ class TrainConfig:
     logits; 0 computes plain logits and cross-entropy."""
     seed: int = 0
     """Seed for model init, data order and synthetic tokens."""
+    hang_timeout_s: Optional[float] = constrained(None, minimum=0)
+    """Hang watchdog: with no training step finished for this long, every rank writes its Python stacks (all
+    threads) to `<run>/hang/attempt-<n>-rank<r>.txt` and ends, and the run fails as `infrastructure`/`hang`, so
+    `scaling.max_failures` (or the RayJob's backoff) restarts it from the last checkpoint. null: automatic, the
+    larger of 600 s and 10x the slowest step after the first; 0: off. Armed from the training loop's start (the
+    model, data and resume are built before). The first step (compilation, warm-up) and each phase between steps
+    (held-out and task evaluation, checkpoint save, export) may take 6 timeouts, counted from its start, so a hang
+    inside them is caught too, later."""
+    loss_spike_factor: float = constrained(3.0, minimum=0)
+    """Fail the run as `model`/`loss_spike` when the logged loss exceeds this factor x the median of the last 20
+    logged losses (spikes left out, judged after 5) for `loss_spike_intervals` log intervals in a row. Checked
+    where the loop reads the loss anyway (every `logging.every_steps`). 3 is far above the noise of a healthy
+    run's interval means (tens of percent) and below a divergence (a fine-tune's loss of 2 back to ln(vocab),
+    ~12); near-zero losses (memorised data) are noisier in ratio: raise it or set 0 (off) there."""
+    loss_spike_intervals: int = constrained(3, minimum=1)
+    """Consecutive log intervals above `loss_spike_factor` x the median that fail the run (one may be noise)."""
 
 
 @dataclass
@@ -193,6 +209,12 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state in host memory."""
     compile: bool = False
     """`torch.compile` each decoder layer."""
+    fsdp: Literal["auto", "always"] = "auto"
+    """`auto`: FSDP2 (`fully_shard`) with two or more workers; one worker trains the model unwrapped, as
+    torchtitan does (FSDP2 on one device only adds copies: 8 ms of a Qwen2.5-1.5B step on an H200, run 40), with
+    FSDP2's numerics (each forward computes on bf16 copies of the fp32 weights, gradients reach the fp32 weights) and
+    the same checkpoints (DCP, resharded onto any number of workers on resume). `always`: FSDP2 on one worker too
+    (`cpu_offload` and `activation_checkpointing` imply it)."""
     shard_group_size: int = constrained(0, minimum=0)
     """Hybrid sharding (HSDP): shard the model within groups of this many workers (e.g. the GPUs of one node)
     and replicate it across groups, so only gradient all-reduces cross groups; 0 shards across all workers."""
@@ -263,10 +285,17 @@ class CheckpointConfig:
 @dataclass
 class DebugConfig:
     fail_at_step: Optional[int] = constrained(None, minimum=1)
-    """Fault injection for tests and drills: rank `fail_rank` kills itself (SIGKILL) when it reaches this
+    """Fault injection for tests and drills: rank `fail_rank` fails as `fail_mode` says when it reaches this
     step, once per run name (a marker under `<run>/faults/` stops it from firing again after the resume)."""
     fail_rank: int = constrained(0, minimum=0)
-    """Rank that dies at `fail_at_step`."""
+    """Rank that fails at `fail_at_step`."""
+    fail_mode: Literal["kill", "exception", "disk_full", "hang", "loss_spike", "nan"] = "kill"
+    """How it fails: `kill` SIGKILLs its process (a lost worker), `exception` raises a RuntimeError in the
+    training loop (a bug), `disk_full` makes its write of the checkpoint of that step (a save step) fail with
+    ENOSPC, as a full disk does, `hang` sleeps before the step's first collective (the others wait in it) until
+    the hang watchdog ends it, `loss_spike` multiplies its logged loss by 10 from that step on (what the
+    loss-spike check reads; the training itself is unchanged), `nan` makes it NaN (what the non-finite check
+    reads, at the log step or before a save)."""
     profile_step: Optional[int] = constrained(None, minimum=1)
     """Profile this training step on rank 0 (torch.profiler): device time per kernel category (matmul,
     attention, compiled elementwise, optimizer, communication, copies) and the top kernels, written to
@@ -384,6 +413,7 @@ def validate(cfg: RunConfig) -> None:
         "train.grad_accum_steps": cfg.train.grad_accum_steps,
         "train.seq_len": cfg.train.seq_len,
         "train.lr": cfg.train.lr,
+        "train.loss_spike_intervals": cfg.train.loss_spike_intervals,
         "scaling.num_workers": cfg.scaling.num_workers,
         "scaling.cpus_per_worker": cfg.scaling.cpus_per_worker,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
@@ -424,6 +454,10 @@ def validate(cfg: RunConfig) -> None:
         errors.append(
             f"train.warmup_steps: {cfg.train.warmup_steps} must be below train.max_steps ({cfg.train.max_steps})"
         )
+    if cfg.train.hang_timeout_s is not None and cfg.train.hang_timeout_s < 0:
+        errors.append(f"train.hang_timeout_s: must be >= 0 (0: off; null: automatic), got {cfg.train.hang_timeout_s}")
+    if cfg.train.loss_spike_factor != 0 and not cfg.train.loss_spike_factor > 1:
+        errors.append(f"train.loss_spike_factor: must be 0 (off) or > 1, got {cfg.train.loss_spike_factor}")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
         errors.append(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
@@ -472,6 +506,15 @@ def validate(cfg: RunConfig) -> None:
         errors.append(
             f"debug.fail_at_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.fail_at_step}"
         )
+    if cfg.debug.fail_mode == "disk_full" and cfg.debug.fail_at_step is not None and not (
+            cfg.debug.fail_at_step == cfg.train.max_steps
+            or (cfg.checkpoint.every_steps and cfg.debug.fail_at_step % cfg.checkpoint.every_steps == 0)):
+        errors.append(f"debug.fail_at_step: debug.fail_mode disk_full needs a save step (a multiple of "
+                      f"checkpoint.every_steps={cfg.checkpoint.every_steps}, or train.max_steps), got {cfg.debug.fail_at_step}")
+    for mode, off, knob in (("hang", cfg.train.hang_timeout_s == 0, "train.hang_timeout_s"),
+                            ("loss_spike", cfg.train.loss_spike_factor == 0, "train.loss_spike_factor")):
+        if cfg.debug.fail_mode == mode and cfg.debug.fail_at_step is not None and off:
+            errors.append(f"debug.fail_mode: {mode} needs its check on: {knob} is 0")
     if cfg.debug.profile_step is not None and not 1 <= cfg.debug.profile_step <= cfg.train.max_steps:
         errors.append(
             f"debug.profile_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.profile_step}"

@@ -295,17 +295,35 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded",
     return update_record(run_dir, record, metrics=metrics, **updates)
 
 
-def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, rank: int | None = None) -> dict | None:
+def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, rank: int | None = None,
+                     attempt: dict | None = None) -> dict | None:
     """The driver's close of a record its workers left `running` (a lost worker, a signal to the driver): reads
-    `run.json` as it is now, keeps all it knew, and closes it with `status` and `error`. A record already closed,
-    or none yet (the workers failed before rank 0 opened it), is left as it is. Returns the record written."""
+    `run.json` as it is now, keeps all it knew, and closes it with `status` and `error`. A record already closed
+    is left as it is. With `attempt` (`{"started_at": epoch seconds of this driver's start, **start_record's
+    config, config_text, run_name, seed}`), only this attempt's record is closed: a run that failed before rank 0
+    opened it (no record, or an earlier attempt's, which goes to `previous_attempts`) gets one, opened and closed
+    here, with the driver's own environment. Returns the record written, or None."""
     try:
         record = load_record(run_dir)
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        record = None
+    except (OSError, ValueError):  # half written or corrupt: not this driver's to judge
         return None
-    if record.get("status") != "running":
+    earlier = record is None or (attempt is not None and not _opened_since(record, attempt["started_at"]))
+    if not earlier and record.get("status") == "running":
+        return finish_record(run_dir, record, status=status, error=error, rank=rank)
+    if attempt is None or not earlier:
         return None
-    return finish_record(run_dir, record, status=status, error=error, rank=rank)
+    args = {k: v for k, v in attempt.items() if k != "started_at"}
+    return finish_record(run_dir, start_record(run_dir, **args), status=status, error=error, rank=rank)
+
+
+def _opened_since(record: dict, since: float) -> bool:
+    """Whether `record` was opened at or after epoch second `since` (its `started_at` has whole seconds)."""
+    try:
+        return _dt.datetime.fromisoformat(record["started_at"]).timestamp() >= int(since)
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def abandon_stale(run_dir: str) -> dict | None:
@@ -580,22 +598,30 @@ def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -
 
 
 def compare_main(argv: list[str]) -> int:
-    """`python -m job compare RUN_A RUN_B [--ignore-config KEY ...]`; `argv` excludes "compare".
+    """`python -m job compare RUN_A RUN_B [--storage STORAGE] [--ignore-config KEY ...]`; `argv` excludes "compare".
 
     Prints the grouped differences. Exit status: 0 environments identical (image, runtime env,
     packages, config, data, hardware/transport), 1 they differ, 2 bad input (e.g. a missing run.json).
     """
     parser = argparse.ArgumentParser(prog="python -m job compare",
                                      description="Compare the run records (run.json) of two runs.")
-    parser.add_argument("run_a", help="run directory (local or s3://) holding run.json")
+    parser.add_argument("run_a", help="run directory (local or s3://) holding run.json, or with --storage a run name")
     parser.add_argument("run_b")
+    parser.add_argument("--storage", help="storage path whose runs bare names are (python -m job runs STORAGE lists them)")
     parser.add_argument("--ignore-config", action="append", default=None, metavar="KEY",
                         help=f"dotted config key to ignore (default: {', '.join(DEFAULT_IGNORED_CONFIG)})")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return 2 if exc.code else 0
+    from .runs import RunsError, resolve_run  # runs imports this module
+
     records = []
+    try:
+        args.run_a, args.run_b = (resolve_run(arg, args.storage) for arg in (args.run_a, args.run_b))
+    except RunsError as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 2
     for path in (args.run_a, args.run_b):
         try:
             records.append(load_record(path))

@@ -2,18 +2,25 @@
 
 * `describe(exc, step=, rank=)` -- the structured `error` of `run.json`: `{"class", "reason", "message",
   "exception", "step", "rank"}`. The class comes from the exception chain alone (types are matched by name, so
-  Ray's need not be imported): a lost worker process is `infrastructure`/`worker_lost`, a `DataError` is `data`,
-  a `ConfigError` `config`, a non-finite loss `model`, out of memory and a full disk `infrastructure`, a KeyboardInterrupt
-  `cancelled`; anything else `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`,
+  Ray's need not be imported): a lost worker process is `infrastructure`/`worker_lost`, a lost Ray Train
+  controller (its node or the cluster gone) `infrastructure`/`cluster_lost`, a `DataError` is `data`,
+  a `ConfigError` `config`, a non-finite loss or a loss spike `model`, a hang, out of memory and a full disk
+  `infrastructure`, a KeyboardInterrupt `cancelled`, a `Preempted` attempt `infrastructure`/`preempted`; by
+  message, a peer lost under gloo `infrastructure`/`worker_lost` and an NCCL error or timeout
+  `infrastructure`/`nccl`; anything else `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`,
   through `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `driver_watch`).
-* `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while the run lives;
-  `liveness` reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
+* `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while the run lives,
+  and once more with `"final": true` when its watch ends; `liveness` reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
   process is gone from this host) is stale, and the next start of the run marks it `abandoned`
   (`launch.prepare` -> `evidence.abandon_stale`).
-* `driver_watch(run_dir)` -- around the driver's wait on the workers: the heartbeat, and an exception ending the
-  wait (a KeyboardInterrupt: `cancelled`) closing a record left running. A SIGTERM to the driver is not caught
-  yet (a handler raising in the main thread did not interrupt Ray Train's wait): such a driver dies with its
-  heartbeat, and the next start marks its record `abandoned`.
+* Preemption (a worker's SIGTERM, or Ray Train's drain signal): `catch_preemption` turns a worker's SIGTERM into
+  a flag (`preemption_signalled`) that the loop agrees on at its next log step; it saves a checkpoint and ends
+  the attempt with `Preempted`, which the retry resumes from.
+* `driver_watch(run_dir)` -- around the driver's wait on the workers: the heartbeat; SIGINT and SIGTERM turned
+  into `Cancelled` (a KeyboardInterrupt) in the main thread, which Ray's wait (`ray.get`) lets through
+  (`launch.run_with_ray` then closes the record and aborts the workers); an exception ending the wait closes a
+  record still left running (`cancelled` for a signal, else `failed`) and propagates. A driver killed outright (SIGKILL, its pod lost) dies with
+  its heartbeat, and the next start marks its record `abandoned`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import datetime as _dt
 import errno
 import json
 import os
+import re
+import signal
 import socket
 import threading
 
@@ -37,7 +46,9 @@ HEARTBEAT_TIMEOUT_S = 60.0
 
 # (exception type name, class, reason), first match wins; matched against every type in each exception's MRO.
 _BY_TYPE = (
+    ("Preempted", "infrastructure", "preempted"),
     ("KeyboardInterrupt", "cancelled", "signal"),
+    ("ClusterLost", "infrastructure", "cluster_lost"),  # before the Ray actor errors it wraps
     ("OutOfMemoryError", "infrastructure", "out_of_memory"),  # torch's (CUDA) and Ray's (host memory monitor)
     ("MemoryError", "infrastructure", "out_of_memory"),
     ("WorkerHealthCheckFailedError", "infrastructure", "worker_lost"),
@@ -46,14 +57,88 @@ _BY_TYPE = (
     ("RayActorError", "infrastructure", "worker_lost"),
     ("NodeDiedError", "infrastructure", "worker_lost"),
     ("PreflightError", "infrastructure", "preflight"),
+    ("HangError", "infrastructure", "hang"),  # the hang watchdog's (job/watchdog.py)
     ("NonFiniteError", "model", "non_finite_loss"),
+    ("LossSpikeError", "model", "loss_spike"),
     ("DataError", "data", "exception"),
     ("ConfigError", "config", "exception"),
     ("MissingPackage", "config", "missing_package"),
 )
 
 
+class Cancelled(KeyboardInterrupt):
+    """A signal (SIGINT, SIGTERM) asked the driver to stop the run: classified `cancelled`/`signal`."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} to the driver (pid {os.getpid()}): the run was stopped")
+
+
+class Preempted(RuntimeError):
+    """The ranks agreed to stop for a preemption (a SIGTERM to a worker, or Ray Train's drain signal) and saved
+    checkpoint `step` first: `infrastructure`/`preempted`; the retry resumes from that checkpoint."""
+
+    def __init__(self, step: int, checkpoint: str, ranks: int):
+        self.step, self.checkpoint = step, checkpoint
+        super().__init__(f"preempted at step {step} (signalled on {ranks} rank(s)): checkpoint {checkpoint} saved; "
+                         "the retry resumes from it")
+
+
+class ClusterLost(RuntimeError):
+    """The driver lost Ray Train's controller (its node or the whole Ray cluster went away): `infrastructure`/
+    `cluster_lost` (the Ray error it came from is its cause)."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_received: list[int] = []  # the stop signals this process received (driver_watch's handler)
+
+
+_preemption_signals: list[int] = []  # the SIGTERMs this worker process received (catch_preemption's handler)
+
+
+def catch_preemption() -> bool:
+    """In a worker's main thread: a SIGTERM (what Kubernetes sends a pod's processes before it evicts it) is noted,
+    not obeyed, so the loop can finish the step and save (`preemption_signalled`); the handler it replaces (Ray's
+    exits at once) comes back for a second SIGTERM. False where signals cannot be handled (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    before = signal.getsignal(signal.SIGTERM)
+
+    def note(signum, frame):
+        _preemption_signals.append(signum)
+        print(f"SIGTERM to worker pid {os.getpid()}: saving a checkpoint at the ranks' next log step", flush=True)
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, note)
+    return True
+
+
+def preemption_signalled() -> bool:
+    """Whether this process received a SIGTERM since `catch_preemption` (a flag read: costs nothing per step)."""
+    return bool(_preemption_signals)
+
+
+def as_cancelled(exc: KeyboardInterrupt) -> Cancelled:
+    """`exc` as the `Cancelled` of the signal received: Ray's wait re-raises the handler's exception as a plain
+    KeyboardInterrupt (`check_status`), which loses the signal; a bare KeyboardInterrupt is a SIGINT."""
+    if isinstance(exc, Cancelled):
+        return exc
+    return Cancelled(_received[0] if _received else signal.SIGINT)
+
+
 _ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+# The storage failing under a run that could use it at its start (read-only remount, lost NFS server, denied
+# writes, a dropped connection; s3fs raises S3's errors as OSErrors too): `infrastructure`/`storage`.
+_STORAGE_ERRNOS = {errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
+                   errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN, errno.EHOSTUNREACH}
+# (message pattern, reason) for errors torch.distributed raises as plain RuntimeErrors, all `infrastructure`: a
+# peer whose process died, seen by a surviving rank under gloo; NCCL errors, aborted communicators and the
+# watchdog's collective timeouts (`WorkNCCL(...) ran for ... milliseconds before timing out`).
+_BY_MESSAGE = (
+    (re.compile(r"Connection closed by peer"), "worker_lost"),
+    (re.compile(r"NCCL error|NCCL communicator was aborted|WorkNCCL\(.*timing out|ProcessGroupNCCL's watchdog"), "nccl"),
+)
 
 
 def _chain(exc: BaseException):
@@ -76,9 +161,19 @@ def classify(exc: BaseException) -> tuple[str, str, BaseException]:
         for e in chain:
             if name in {t.__name__ for t in type(e).__mro__}:
                 return cls, reason, e
-    for e in chain:  # a failed save's CheckpointError names each rank's OSError only in its message
-        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or _ENOSPC_TEXT in str(e):
+    for e in chain:  # the OSError itself where the chain has it
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
             return "infrastructure", "disk_full", e
+    for e in chain:  # a failed save's CheckpointError from another rank names its OSError only in its message
+        if _ENOSPC_TEXT in str(e):
+            return "infrastructure", "disk_full", e
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return "infrastructure", "storage", e
+    for pattern, reason in _BY_MESSAGE:
+        for e in chain:
+            if pattern.search(str(e)):
+                return "infrastructure", reason, e
     return "unknown", "exception", exc
 
 
@@ -114,9 +209,10 @@ def _now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
-def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S, final: bool = False) -> None:
+    """`final`: the driver's last beat, as its watch ends (the run over, however it ended)."""
     beat = {"at": _now().isoformat(timespec="seconds"), "pid": os.getpid(), "host": socket.gethostname(),
-            "timeout_s": timeout_s}
+            "timeout_s": timeout_s, "final": final}
     storage.write_atomic(storage.join(run_dir, HEARTBEAT_FILE), json.dumps(beat) + "\n")
 
 
@@ -129,13 +225,16 @@ def read_heartbeat(run_dir: str) -> dict | None:
 
 def liveness(run_dir: str, record: dict, now: _dt.datetime | None = None) -> str:
     """For a record: `closed` (not `running`), `live` (its driver's heartbeat is fresh), `stale` (the heartbeat is
-    older than its timeout, or its driver's process is gone from this host) or `unknown` (no heartbeat: a
-    torchrun run, or one of a version without heartbeats; never taken for dead)."""
+    older than its timeout, final (its driver's watch ended without closing the record), or its driver's process
+    is gone from this host) or `unknown` (no heartbeat: a torchrun run, or one of a version without heartbeats;
+    never taken for dead)."""
     if record.get("status") != "running":
         return "closed"
     beat = read_heartbeat(run_dir)
     if not beat:
         return "unknown"
+    if beat.get("final"):
+        return "stale"
     try:
         age = ((now or _now()) - _dt.datetime.fromisoformat(beat["at"])).total_seconds()
         timeout = float(beat.get("timeout_s", HEARTBEAT_TIMEOUT_S))
@@ -179,22 +278,49 @@ class Heartbeat:
                 print(f"heartbeat: cannot write {HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
 
     def stop(self) -> None:
+        """Ends the beats with a final one: the file stays, saying when the driver's watch ended."""
         self._stop.set()
         self._thread.join(timeout=5)
+        try:
+            write_heartbeat(self.run_dir, self.timeout_s, final=True)
+        except Exception as e:  # as in `_beat`: the record, not the heartbeat, says how the run ended
+            print(f"heartbeat: cannot write the final {HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
+
+
+def exit_status(exc: BaseException) -> int:
+    """The driver's exit status for a run ended by `exc`: 128 + the signal's number for a `Cancelled` (130 for
+    SIGINT, 143 for SIGTERM, as a shell reports a process the signal ended), else 1."""
+    return 128 + exc.signum if isinstance(exc, Cancelled) else 1
 
 
 @contextlib.contextmanager
 def driver_watch(run_dir: str):
-    """The driver's watch over a run while it waits on the workers: a `Heartbeat`; whatever ends the wait with an
-    exception closes a still-`running` record (`evidence.close_if_running`): `cancelled` for a KeyboardInterrupt,
-    else `failed`; the exception then propagates."""
+    """The driver's watch over a run while it waits on the workers: a `Heartbeat`, and SIGINT/SIGTERM raising
+    `Cancelled` (Ray's own handlers, which exit without closing the record, are put back afterwards). Whatever
+    ends the wait with an exception closes a still-`running` record (`evidence.close_if_running`): `cancelled`
+    for a KeyboardInterrupt (which then propagates as `Cancelled`), else `failed`. A second signal ends the driver at
+    once (the default action)."""
     from . import evidence
 
+    def stop(signum, frame):
+        _received.append(signum)
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        raise Cancelled(signum)
+
+    main = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
+    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if main else {}
     heartbeat = Heartbeat(run_dir).start()
     try:
         yield
+    except KeyboardInterrupt as exc:
+        cancelled = as_cancelled(exc)
+        evidence.close_if_running(run_dir, "cancelled", cancelled)
+        raise cancelled from None
     except BaseException as exc:
-        evidence.close_if_running(run_dir, "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", exc)
+        evidence.close_if_running(run_dir, "failed", exc)
         raise
     finally:
         heartbeat.stop()
+        for s, handler in before.items():
+            signal.signal(s, handler)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import checkpoint as checkpoint_lib
 from . import config as config_lib
 from . import data as data_lib
-from . import evidence
+from . import evidence, failures
 from . import export as export_lib
 from . import storage
 from .metrics import progress_style
@@ -257,6 +257,11 @@ class Launcher:
     def report(self, metrics: dict) -> None:
         """Tells the launcher the worker's last metrics, once the run is complete."""
 
+    def preempted(self) -> bool:
+        """Whether this worker was asked to stop for a preemption: a SIGTERM to its process
+        (`failures.catch_preemption`); a flag read, cheap enough for any step."""
+        return failures.preemption_signalled()
+
 
 class RayLauncher(Launcher):
     """A Ray Train worker: Ray Train has created the process group and chosen the device; the driver draws the
@@ -280,6 +285,18 @@ class RayLauncher(Launcher):
 
         ray.train.report(metrics)
 
+    def preempted(self) -> bool:
+        """Also Ray Train's own signal: its controller's preemption watcher polls Ray for draining nodes (a
+        `ray start` that got SIGTERM drains its node with reason PREEMPTION) and marks every worker. Read here from
+        the worker's train context, not with `ray.train.get_preemption_info()`, a barrier across the workers."""
+        try:
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            marked = get_train_context().preemption_context.preemption_info is not None
+        except (ImportError, AttributeError, RuntimeError):  # a Ray without preemption handling
+            marked = False
+        return marked or super().preempted()
+
 
 class TorchrunLauncher(Launcher):
     """A torchrun process: the process group is created here, from torchrun's environment; rank 0 draws its own
@@ -290,6 +307,7 @@ class TorchrunLauncher(Launcher):
         device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_gpu else "gloo")
+        failures.catch_preemption()  # torchrun forwards its SIGTERM to the workers
         return device
 
     def progress_style(self, setting: str) -> str | None:
@@ -342,10 +360,19 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
             failure_config=FailureConfig(max_failures=cfg.scaling.max_failures),
         ),
     )
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError, RaySystemError
 
+    this_attempt = attempt(cfg, loop_config.started_at)  # for a failure before rank 0 opened the record
     try:
         trainer.fit()
+    except KeyboardInterrupt as e:  # SIGINT/SIGTERM to the driver (failures.driver_watch)
+        # Closed first (a pod's grace period may be short), then the workers stopped; `driver_watch` closes it
+        # again should rank 0 have rewritten it (at start or in `build`) before it was stopped.
+        cancelled = failures.as_cancelled(e)
+        evidence.close_if_running(loop_config.run_dir, "cancelled", cancelled, attempt=this_attempt)
+        print(f"{cancelled}: stopping the workers", flush=True)
+        abort(trainer)
+        raise cancelled from None
     except WorkerGroupError as e:
         messages = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
         lost = any(isinstance(exc, RayActorError) for exc in e.worker_failures.values())
@@ -353,16 +380,54 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
         # lowest failed rank's error.
         first = min(e.worker_failures) if e.worker_failures else None
         evidence.close_if_running(loop_config.run_dir, "failed", e if first is None else e.worker_failures[first],
-                                  rank=first)
-        return _by_message(messages) + (f"\n{resume_hint(loop_config.run_dir)}" if lost else "")
+                                  rank=first, attempt=this_attempt)
+        return (recorded_ending(loop_config.run_dir) + _by_message(messages)
+                + (f"\n{resume_hint(loop_config.run_dir)}" if lost else ""))
     except TrainingFailedError as e:
-        evidence.close_if_running(loop_config.run_dir, "failed", e)
+        evidence.close_if_running(loop_config.run_dir, "failed", e, attempt=this_attempt)
         return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config.run_dir)}"
+    except (RayActorError, RaySystemError) as e:  # the wait on the controller itself: its node or the cluster is gone
+        lost = failures.ClusterLost(f"Ray Train's controller is unreachable, its node or the Ray cluster gone "
+                                    f"({type(e).__name__}: {_one_line(e)[:500]})")
+        lost.__cause__ = e
+        evidence.close_if_running(loop_config.run_dir, "failed", lost, attempt=this_attempt)
+        return f"{lost}\n{resume_hint(loop_config.run_dir)}"
     return None
 
 
+def recorded_ending(run_dir: str) -> str:
+    """The record's error as its first line: what the workers knew (a hang, a preemption) where Ray saw only a
+    lost worker."""
+    error = failures.one_line(evidence.load_record(run_dir).get("error"))
+    return f"run.json: {error}\n" if error else ""
+
+
+def attempt(cfg: config_lib.RunConfig, started_at: float) -> dict:
+    """What the driver needs to record an attempt that failed before rank 0 opened its record
+    (`evidence.close_if_running`'s `attempt`): when it started, and the record's config."""
+    return {"started_at": started_at, "config": config_lib.to_dict(cfg), "config_text": config_lib.to_yaml(cfg),
+            "run_name": cfg.name, "seed": cfg.train.seed}
+
+
+def abort(trainer, timeout_s: float = 15.0) -> None:
+    """Stops the run's workers through Ray Train's controller (what Ray Train's own Ctrl-C handler does): it
+    shuts the worker group down and exits. Without the controller's handle (not started yet, or another Ray)
+    the workers still end with the driver, which owns the controller."""
+    import ray
+
+    controller = getattr(trainer, "controller", None)
+    if controller is None:
+        return
+    try:
+        ray.get(controller.abort.remote(), timeout=timeout_s)
+    except Exception:  # the controller exits once aborted: its call ends in a RayActorError
+        pass
+
+
 def trainer_class(base: type) -> type:
-    """`base` (Ray's `TorchTrainer`) without Ray Train's placement-group cleaner.
+    """`base` (Ray's `TorchTrainer`) without Ray Train's placement-group cleaner, keeping its controller's handle
+    (`controller`, for `abort`) instead of installing Ray Train's SIGINT handler: `failures.driver_watch` handles
+    SIGINT and SIGTERM alike, and Ray's would end the driver with status 0 and the record left running.
 
     The cleaner is a detached actor that polls the state API for the controller actor and removes the worker
     group's placement group once the controller looks dead. `ray.train.v2._internal.state.util.is_actor_alive`
@@ -370,18 +435,31 @@ def trainer_class(base: type) -> type:
     nothing within its timeout: on 2 busy cores the cleaner removed the live run's placement group and the run
     failed (issue 17; the same flaw is pointed out in ray-project/ray#65447). The cleaner only matters when the
     controller dies while its driver lives on; here the driver is this process, and when it ends, Ray removes
-    the placement groups its job created. Kept as is if Ray's internals differ (then the cleaner stays)."""
+    the placement groups its job created. It also adds a worker callback that catches each worker's SIGTERM for
+    a preemption save (`failures.catch_preemption`). Kept as is if Ray's internals differ (then the cleaner stays)."""
     try:
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+        from ray.train.v2._internal.execution.callback import WorkerCallback
     except ImportError:
         return base
-    if not hasattr(base, "_create_default_callbacks"):
+    if not hasattr(base, "_create_default_callbacks") or not hasattr(base, "_register_sigint_handler"):
         return base
 
+    class CatchPreemption(WorkerCallback):
+        """Runs in each worker actor's main thread (signal handlers can be set only there), before the loop."""
+
+        def after_init_train_context(self):
+            failures.catch_preemption()
+
     class Trainer(base):
+        controller = None
+
         def _create_default_callbacks(self):
             return [cb for cb in super()._create_default_callbacks()
-                    if not isinstance(cb, PlacementGroupCleanerCallback)]
+                    if not isinstance(cb, PlacementGroupCleanerCallback)] + [CatchPreemption()]
+
+        def _register_sigint_handler(self, controller):
+            self.controller = controller
 
     return Trainer
 

@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -133,6 +134,8 @@ class Timeline:
             self.startup[name], previous = max(0.0, ended - previous), ended
         self.startup["worker_imports"] = max(0.0, now - previous)
         self.checkpoint_blocking_s: list[float] = []
+        self.on_phase: Callable[[str, bool], None] | None = None
+        """Called with (phase, entering) around each phase (the hang watchdog's `phase`)."""
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -140,6 +143,8 @@ class Timeline:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        if self.on_phase:
+            self.on_phase(name, True)
         self.sync()
         start = time.perf_counter()
         try:
@@ -147,6 +152,8 @@ class Timeline:
         finally:
             self.sync()
             self.seconds[name] += time.perf_counter() - start
+            if self.on_phase:
+                self.on_phase(name, False)
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds

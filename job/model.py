@@ -2,13 +2,15 @@
 
 `CausalLMWithLoss` is the module FSDP2 shards as its root. Computing the loss inside the root's forward lets
 the (tied) output embedding stay sharded outside forward/backward and lets the loss use a chunked linear
-cross-entropy that never materialises the full fp32 logits (151,936 wide for Qwen2.5).
+cross-entropy that never materialises the full fp32 logits (151,936 wide for Qwen2.5). With one worker it is
+not sharded (`parallelize`), and computes on bf16 copies of its weights itself.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,9 @@ class CausalLMWithLoss(nn.Module):
         self.lm = lm
         self.loss_chunk_size = loss_chunk_size
         self.sdpa_backend = SDPA_BACKENDS[sdpa_backend] if sdpa_backend else None
+        self.compute_dtype: torch.dtype | None = None
+        """Set by `parallelize` when it leaves the model unsharded and computes in bf16: each forward then runs on
+        copies of the fp32 weights in this dtype (`computing_on_copies`)."""
 
     def forward(self, *args, **kwargs):
         if self.sdpa_backend is None:
@@ -111,14 +116,60 @@ class CausalLMWithLoss(nn.Module):
         """`(loss_sum, n_targets)` of the next-token targets `labels`."""
         # No KV cache: with one, transformers skips the packed-sequence mask derived from position_ids and
         # attention would cross document boundaries.
-        hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        with computing_on_copies(self.lm, self.compute_dtype) if self.compute_dtype else nullcontext():
+            hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            head_weight = self.lm.get_output_embeddings().weight
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
-        head = self.lm.get_output_embeddings()
         if self.loss_chunk_size:
-            return chunked_cross_entropy(hidden, head.weight, labels, self.loss_chunk_size)
-        logits = head(hidden).float()
+            return chunked_cross_entropy(hidden, head_weight, labels, self.loss_chunk_size)
+        logits = F.linear(hidden, head_weight).float()
         loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+class CastCopies(torch.autograd.Function):
+    """Copies of the parameters in another dtype, and in backward their gradients cast back: one foreach copy
+    each way (per-parameter casts cost ~16 ms of host time per forward for Qwen2.5-1.5B's 338 parameters, run 39,
+    while the device waited)."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.dtypes = [p.dtype for p in params]
+        copies = [torch.empty_like(p, dtype=dtype) for p in params]
+        torch._foreach_copy_(copies, list(params))
+        return tuple(copies)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in present]
+        torch._foreach_copy_(out, [grads[i] for i in present])
+        full: list[torch.Tensor | None] = [None] * len(grads)
+        for i, g in zip(present, out):
+            full[i] = g
+        return None, *full
+
+
+@contextmanager
+def computing_on_copies(lm: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Within it, each parameter of `lm` is its copy in `dtype` (`CastCopies`), the fp32 parameter again after:
+    what FSDP2's mixed precision gathers, without FSDP2. One copy per parameter, so a tied embedding and head
+    share theirs and their gradients add up in `dtype` before reaching the fp32 weight, as under FSDP2. The
+    copies are put straight into the modules' parameter slots, as `torch.func.functional_call` does, whose
+    per-name lookups cost ~7 ms of host time per forward here (run 39). Autograd keeps a copy while a saved
+    activation needs it."""
+    slots = [(module, name, param) for module in lm.modules() for name, param in module._parameters.items()
+             if param is not None]
+    params = list(dict.fromkeys(param for _, _, param in slots))
+    copies = dict(zip(params, CastCopies.apply(dtype, *params)))
+    for module, name, param in slots:
+        module._parameters[name] = copies[param]
+    try:
+        yield
+    finally:
+        for module, name, param in slots:
+            module._parameters[name] = param
 
 
 def plain_name(name: str) -> str:
@@ -215,7 +266,10 @@ def convert_to_float8(lm: nn.Module, recipe: str) -> list[str]:
 
 
 def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, bf16: bool) -> CausalLMWithLoss:
-    """Applies FSDP2: `fully_shard` on each decoder layer, then on the root (embeddings, final norm, head).
+    """Applies FSDP2: `fully_shard` on each decoder layer, then on the root (embeddings, final norm, head); on a
+    one-worker mesh (with `cfg.fsdp: auto`, no CPU offload, no activation checkpointing) nothing is sharded, and with bf16 the model
+    computes on bf16 copies of its fp32 weights itself (`CausalLMWithLoss.compute_dtype`), made once per
+    micro-batch's forward and kept for its backward, as `reshard_after_forward: false` keeps FSDP2's.
 
     First, with `cfg.float8` other than `none`, the linear layers become float8 ones (`convert_to_float8`: all
     but the head and those whose widths are not multiples of 16; a clear error without torchao or a GPU of
@@ -233,13 +287,19 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
     shard_args = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         shard_args["offload_policy"] = CPUOffloadPolicy()
+    # Activation checkpointing recomputes a layer in backward, outside the forward that swapped the copies in.
+    shard = mesh.size() > 1 or cfg.fsdp == "always" or cfg.cpu_offload or cfg.activation_checkpointing
     layers = decoder_layers(model.lm)
     for i, layer in enumerate(layers):
         if cfg.activation_checkpointing:
             layer = checkpoint_wrapper(layer)
         if cfg.compile:
             layer = torch.compile(layer)
-        fully_shard(layer, **shard_args)
+        if shard:
+            fully_shard(layer, **shard_args)
         layers[i] = layer
-    fully_shard(model, **shard_args)
+    if shard:
+        fully_shard(model, **shard_args)
+    elif bf16:
+        model.compute_dtype = torch.bfloat16
     return model

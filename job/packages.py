@@ -26,7 +26,7 @@ from .config import is_hub_source
 DATASETS_VERSION = "5.2.0"
 """The `datasets` pin of requirements.txt (a test keeps them equal): what the fix for a missing one installs."""
 TORCHAO_VERSION = "0.18.0"
-"""The `torchao` pin of requirements-dev.txt and scripts/device-wheels.sh: the first release that is ABI-stable
+"""The `torchao` pin of requirements-dev.txt and bench/device-wheels.sh: the first release that is ABI-stable
 across torch >= 2.11 (the GPU machines' 2.11 and the image's 2.13)."""
 
 

@@ -1,4 +1,5 @@
-"""Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`.
+"""Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`, or `report --storage STORAGE NAME` for a run
+of the index (`job/runs.py`).
 
 Reads `run.json` (the run record, see `evidence.py`) and `metrics.jsonl` from the run
 directory (local or `s3://`) and writes, into `--out` (default: the run directory when it
@@ -20,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from . import evidence, failures, storage
+from . import evidence, failures, runs, storage
 
 # Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
@@ -287,13 +288,20 @@ def main(argv: list[str]) -> int:
     2 bad input (no run.json and no metrics.jsonl in RUN_DIR).
     """
     parser = argparse.ArgumentParser(prog="python -m job report", description="Write report.md and plots for a run.")
-    parser.add_argument("run_dir", help="run directory (local or s3://) with run.json and metrics.jsonl")
+    parser.add_argument("run_dir", help="run directory (local or s3://) with run.json and metrics.jsonl, "
+                                        "or with --storage a run name")
+    parser.add_argument("--storage", help="storage path whose run RUN_DIR names (python -m job runs STORAGE lists them)")
     parser.add_argument("--out", help="output directory (default: RUN_DIR if local, else ./<run name>-report)")
     parser.add_argument("--no-plots", action="store_true", help="write report.md only")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return 2 if exc.code else 0
+    try:
+        args.run_dir = runs.resolve_run(args.run_dir, args.storage)
+    except runs.RunsError as exc:
+        print(f"report: {exc}", file=sys.stderr)
+        return 2
 
     notes: list[str] = []
     try:

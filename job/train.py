@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from . import checkpoint as checkpoint_lib
 from . import compile_cache
 from . import config as config_lib
 from . import data as data_lib
-from . import evidence, nccl
+from . import evidence, failures, nccl
 from . import export as export_lib
 from . import preflight as preflight_lib
 from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv_cache_bytes, rank_items,
@@ -33,6 +34,7 @@ from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
                     weights_fingerprint)
+from .watchdog import LossSpikes, Watchdog
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -83,8 +85,15 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
     try:
         results = fit(loop_config, launcher, device, record, timeline)
     except BaseException as exc:
-        if record:
-            evidence.finish_record(run_dir, record, status="failed", error=exc, rank=rank, time=timeline.summary())
+        preempted = isinstance(exc, failures.Preempted)
+        if record:  # a Ctrl-C in a terminal reaches the workers too: cancelled, not failed
+            status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
+            saved = {"checkpoints": {"dir": run_dir, "latest": exc.checkpoint, "keep_last": cfg.checkpoint.keep_last}
+                     } if preempted else {}
+            evidence.finish_record(run_dir, record, status=status, error=exc, rank=rank, time=timeline.summary(),
+                                   **saved)
+        if preempted:  # every rank ends together, once rank 0's record says so (Ray stops the group at the first)
+            dist.barrier()
         raise
     if record:
         evidence.finish_record(run_dir, record, **results)
@@ -119,11 +128,15 @@ class Run:
     """Where to keep the compiled code on the storage after the first step (None without `parallel.compile`, or
     when this attempt loaded it from there)."""
     latest_checkpoint: str | None = None
+    preempted: Callable[[], bool] = lambda: False
+    """Whether this worker was asked to stop for a preemption (`launch.Launcher.preempted`)."""
     baseline: PendingTaskEval | None = None
     """The task baseline's decoding, begun in `build` beside the data's tokenizing (`start_baseline`); None when
     it was not (no room on the device beside it, or none due): then it is decoded at step 0."""
     final_eval: float | None = None
     task_results: list[dict] = field(default_factory=list)
+    watchdog: Watchdog | None = None
+    """The hang watchdog, from the training loop's start (`start_watchdog`)."""
 
     def log(self, record: dict) -> None:
         if self.logger:
@@ -137,6 +150,7 @@ def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, recor
     exporting = export_due(run)
     # The export's checking process starts now: its imports (~20 s) are long done when the export is written.
     acceptance = export_lib.start_acceptance() if exporting else None
+    run.watchdog = start_watchdog(run, record)
     try:
         train(run)
         return finish(run, weights, exporting, acceptance)
@@ -144,6 +158,23 @@ def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, recor
         if acceptance is not None:
             acceptance.close()
         run.checkpointer.close()
+        run.watchdog.stop()
+
+
+def start_watchdog(run: Run, record: dict | None) -> Watchdog:
+    """This attempt's hang watchdog (collective: the attempt's number, as rank 0's record counts it, names the
+    stack files); on rank 0 it closes the record before the process ends."""
+    attempt = torch.tensor(len(record["previous_attempts"]) + 1 if record else 0, device=run.device)
+    dist.broadcast(attempt, src=0)
+
+    def close_record(error: Exception) -> None:
+        evidence.finish_record(run.run_dir, record, status="failed", error=error, rank=run.rank,
+                               time=run.timeline.summary())
+
+    watchdog = Watchdog(run.cfg.train.hang_timeout_s, run.run_dir, run.rank, int(attempt.item()), run.start_step,
+                        close_record if record else None)
+    run.timeline.on_phase = watchdog.phase
+    return watchdog
 
 
 def export_due(run: Run) -> bool:
@@ -197,7 +228,7 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     with timeline.phase("model"):
         mesh = device_mesh(device.type, world, cfg.parallel.shard_group_size)
         model = parallelize(unsharded, cfg.parallel, mesh, bf16)
-        optimizer, schedule = build_optimizer(model, cfg.train, device)
+        optimizer, schedule = build_optimizer(model, cfg.train)
         identity = checkpoint_lib.run_identity(cfg, world, dataset.fingerprint)
         checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, device, identity)
 
@@ -225,10 +256,10 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
               compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
-              latest_checkpoint=resume_from, baseline=baseline)
+              latest_checkpoint=resume_from, preempted=launcher.preempted, baseline=baseline)
     run.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
-             "mesh": list(mesh.shape), "device": str(device), "bf16": bf16, "data": dataset.fingerprint,
-             "data_cache": data_cache, "compile_cache": cache_state})
+             "mesh": list(mesh.shape), "sharded": isinstance(model, FSDPModule), "device": str(device), "bf16": bf16,
+             "data": dataset.fingerprint, "data_cache": data_cache, "compile_cache": cache_state})
     if resumed is not None or skipped:
         resume_record = {"step": start_step, "checkpoint": resume_from, "skipped": skipped}
         if resumed is not None:
@@ -261,13 +292,14 @@ def train(run: Run) -> None:
     run.timeline.sync()
     loop_start = time.perf_counter()
     outside_train = sum(run.timeline.seconds[p] for p in ("eval", "checkpoint", "task_eval"))
-    first_step_s = None
+    first_step_s, signalled = None, 0
+    spikes, logged_loss_factor = LossSpikes(cfg.train.loss_spike_factor, cfg.train.loss_spike_intervals), 1.0
     for step in range(run.start_step + 1, cfg.train.max_steps + 1):
-        checkpoint_lib.maybe_fail(cfg, step, run.rank, run.run_dir)
+        logged_loss_factor = checkpoint_lib.maybe_fail(cfg, step, run.rank, run.run_dir) or logged_loss_factor
         profiler = StepProfiler(device) if run.logger and step == cfg.debug.profile_step else None
         lr = run.schedule(step)
         loss, targets, grad_norm = train_step(run, lr)
-        loss_sum += loss
+        loss_sum += loss if logged_loss_factor == 1 else loss * logged_loss_factor  # debug.fail_mode: loss_spike, nan
         target_sum += targets
         interval_tokens += cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
         if profiler:
@@ -279,10 +311,11 @@ def train(run: Run) -> None:
             first_step_s = time.perf_counter() - loop_start
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
-            writes_done = float(run.checkpointer.write_done())
-            totals = torch.stack([loss_sum, target_sum, torch.tensor(writes_done, device=device)])
+            # The log step's all-reduce also carries each rank's preemption flag: the ranks agree to stop here.
+            flags = torch.tensor([float(run.checkpointer.write_done()), float(run.preempted())], device=device)
+            totals = torch.cat([torch.stack([loss_sum, target_sum]), flags])
             dist.all_reduce(totals)
-            grad_norm = full(grad_norm)
+            signalled = int(totals[3].item())
             mean_loss = (totals[0] / totals[1]).item()  # syncs with the device, so the interval below is real
             check_finite(step, mean_loss, grad_norm.item())
             tokens_per_s_device = interval_tokens / (time.perf_counter() - interval_start)
@@ -297,18 +330,23 @@ def train(run: Run) -> None:
                 "mfu": tokens_per_s_device * run.flops_per_token / run.peak_flops if run.peak_flops else None,
                 "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             })
+            spikes.check(step, mean_loss)  # after the log: the record's step is the spike's
             if totals[2].item() == world:  # every rank's checkpoint write (if any) has returned
                 complete_checkpoint(run)
             loss_sum.zero_(), target_sum.zero_()
             interval_tokens, interval_start = 0, time.perf_counter()
+        run.watchdog.step_done(step)
 
-        if checkpoint_lib.due(step, cfg):  # before the evaluations: the write goes on while they run
+        if checkpoint_lib.due(step, cfg) or signalled:  # before the evaluations: the write goes on while they run
             check_finite(step, *finite_probe(loss_sum, grad_norm))
             with run.timeline.phase("checkpoint"):
                 start = time.perf_counter()
                 complete_checkpoint(run)  # the previous save, if still writing: training waits for it
                 run.checkpointer.save(step, run.model, run.optimizer)
                 run.timeline.checkpoint_blocking_s.append(time.perf_counter() - start)
+                if signalled and step < cfg.train.max_steps:  # in the grace period: the save completes, the attempt ends
+                    complete_checkpoint(run)
+                    raise failures.Preempted(step, run.latest_checkpoint, signalled)
         if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.max_steps:
             eval_loss = log_eval(run, step)
             run.final_eval = eval_loss if step == cfg.train.max_steps else None
@@ -343,19 +381,29 @@ def train_step(run: Run, lr: float) -> tuple[torch.Tensor, torch.Tensor, torch.T
         step_loss, _ = run.model(**batch)
         (step_loss * world / global_targets).backward()
         loss_sum += step_loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.grad_clip or float("inf"))
+    grad_norm = clip_in_step(run.optimizer, cfg.train.grad_clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return loss_sum, targets, grad_norm
+
+
+def clip_in_step(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """The global gradient norm, as `clip_grad_norm_` computes it, and the clipping (`max_norm` > 0) left to the
+    optimizer's next (fused) step: its `grad_scale` divides each gradient as the step reads it, by the inverse of
+    the factor `clip_grad_norm_` would multiply it by. Multiplying first is one more pass over every gradient
+    (~3 ms of a Qwen2.5-1.5B step on an H200)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = full(torch.nn.utils.get_total_norm(grads, foreach=True))
+    optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0) if max_norm else None
+    return norm
 
 
 class NonFiniteError(RuntimeError):
     """The loss or the gradient norm is NaN or infinite: the run stops before anything is saved."""
 
 
-def finite_probe(loss_sum: torch.Tensor, grad_norm) -> tuple[float, float]:
+def finite_probe(loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
     """The running loss sum and the last gradient norm as host numbers (a sync; only before a save)."""
-    grad_norm = full(grad_norm)
     totals = torch.stack([loss_sum.float(), grad_norm.float()])
     dist.all_reduce(totals)
     return totals[0].item(), totals[1].item()
@@ -368,7 +416,7 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
                              "last checkpoint")
 
 
-def full(tensor):
+def full(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (the gradient norm is one when FSDP shards the gradients); any other tensor as is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -584,16 +632,17 @@ def in_background(fn: Callable, *args) -> Callable[[], object]:
     return wait
 
 
-def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig,
-                    device: torch.device) -> tuple[torch.optim.Optimizer, Callable[[int], float]]:
-    """AdamW (fused kernels on GPU) with weight decay on matrices only, and the warmup + cosine schedule."""
+def build_optimizer(model: torch.nn.Module,
+                    cfg: config_lib.TrainConfig) -> tuple[torch.optim.Optimizer, Callable[[int], float]]:
+    """Fused AdamW (which also applies the gradient clipping, `clip_in_step`) with weight decay on matrices only,
+    and the warmup + cosine schedule."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=tuple(cfg.betas),
-        fused=device.type == "cuda",
+        fused=True,
     )
 
     def schedule(step: int) -> float:

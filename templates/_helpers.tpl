@@ -155,6 +155,11 @@ RayJob resumes the same run from its latest checkpoint.
 {{- printf "%s-%s" (include "ray-finetune.fullname" .) ($content | sha256sum | trunc 8) }}
 {{- end }}
 
+{{/* Name of the `helm test` Pod (the Role lets it patch only itself). */}}
+{{- define "ray-finetune.testPodName" -}}
+{{- include "ray-finetune.fullname" . }}-test
+{{- end }}
+
 {{/* Name of the run: run.name, else the release name. */}}
 {{- define "ray-finetune.runName" -}}
 {{- .Values.run.name | default .Release.Name }}
@@ -274,6 +279,8 @@ anything else the job would reject (ray-finetune.checkRun).
   value: {{ toYaml .Values | sha256sum }}
 - name: JOB_IMAGE
   value: {{ include "ray-finetune.image" . }}
+- name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S  # `ray start`'s drain on SIGTERM, within the pod's grace period
+  value: {{ sub .Values.terminationGracePeriodSeconds 10 | quote }}
 - name: POD_NAME
   valueFrom:
     fieldRef:
@@ -358,6 +365,7 @@ pod:
       mountPath: {{ .Values.storage.mountPath }}
     {{- end }}
   shmSizeLimit: {{ .Values.shm.sizeLimit }}
+  terminationGracePeriodSeconds: {{ int .Values.terminationGracePeriodSeconds }}
   podSecurityContext:
     {{- toYaml .Values.podSecurityContext | nindent 4 }}
 head:

@@ -207,6 +207,18 @@ naming the field as the job does, prefixed with `run.`. Input: dict "ctx" $ "run
 {{- if ge (int $debug.fail_rank) (int $s.num_workers) }}
 {{- fail (printf "run.debug.fail_rank: must be within [0, run.scaling.num_workers=%d), got %d" (int $s.num_workers) (int $debug.fail_rank)) }}
 {{- end }}
+{{- $spikeFactor := float64 $t.loss_spike_factor }}
+{{- if and (ne $spikeFactor 0.0) (le $spikeFactor 1.0) }}
+{{- fail (printf "run.train.loss_spike_factor: must be 0 (off) or > 1, got %v" $t.loss_spike_factor) }}
+{{- end }}
+{{- if not (kindIs "invalid" $debug.fail_at_step) }}
+{{- $hangOff := and (not (kindIs "invalid" $t.hang_timeout_s)) (eq (float64 $t.hang_timeout_s) 0.0) }}
+{{- if and (eq $debug.fail_mode "hang") $hangOff }}
+{{- fail "run.debug.fail_mode: hang needs its check on: run.train.hang_timeout_s is 0" }}
+{{- else if and (eq $debug.fail_mode "loss_spike") (eq $spikeFactor 0.0) }}
+{{- fail "run.debug.fail_mode: loss_spike needs its check on: run.train.loss_spike_factor is 0" }}
+{{- end }}
+{{- end }}
 {{- if and (not (kindIs "invalid" $e.sample_prompt)) (eq $d.format "synthetic") }}
 {{- fail "run.eval.sample_prompt: synthetic data has no tokenizer to encode a prompt" }}
 {{- end }}

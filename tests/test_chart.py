@@ -287,6 +287,17 @@ CROSS_FIELD_SAMPLES = [
     ("float8 with fp32 compute", {"parallel": {"float8": "tensorwise", "mixed_precision": "fp32"}}, GPU_CLUSTER),
     ("fault after the last step", {"debug": {"fail_at_step": 101}}, GPU_CLUSTER),
     ("fault at the last step", {"debug": {"fail_at_step": 100}}, GPU_CLUSTER),
+    ("loss-spike check off", {"train": {"loss_spike_factor": 0}}, GPU_CLUSTER),
+    ("loss-spike factor below 1", {"train": {"loss_spike_factor": 0.5}}, GPU_CLUSTER),
+    ("loss-spike factor as a string", {"train": {"loss_spike_factor": "2.5"}}, GPU_CLUSTER),
+    ("hang drill, automatic timeout", {"debug": {"fail_at_step": 5, "fail_mode": "hang"}}, GPU_CLUSTER),
+    ("hang drill, watchdog off", {"train": {"hang_timeout_s": 0}, "debug": {"fail_at_step": 5, "fail_mode": "hang"}},
+     GPU_CLUSTER),
+    ("hang drill, timeout as a string", {"train": {"hang_timeout_s": "30"},
+                                         "debug": {"fail_at_step": 5, "fail_mode": "hang"}}, GPU_CLUSTER),
+    ("spike drill, check off", {"train": {"loss_spike_factor": 0},
+                                "debug": {"fail_at_step": 5, "fail_mode": "loss_spike"}}, GPU_CLUSTER),
+    ("hang mode without a fault step", {"train": {"hang_timeout_s": 0}, "debug": {"fail_mode": "hang"}}, GPU_CLUSTER),
     ("profile after the last step", {"debug": {"profile_step": 101}}, GPU_CLUSTER),
     ("fault rank beyond the workers", {"debug": {"fail_rank": 1}}, GPU_CLUSTER),
     ("fault rank within the workers", {"debug": {"fail_rank": 1}}, CPU_CLUSTER),
@@ -713,6 +724,7 @@ def test_role_is_least_privilege():
     rules = one(objects, "Role")["rules"]
     assert rules == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "resourceNames": ["exp1-ray-finetune-test"], "verbs": ["patch"]},
         {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [one(objects, "RayJob")["metadata"]["name"]], "verbs": ["get"]},
     ]
 
@@ -732,7 +744,10 @@ def test_notes_give_commands_for_this_release():
                     "kubectl -n experiments cp exp1-copy:/mnt/runs/exp1 ./exp1", "python -m job report ./exp1",
                     "-o jsonpath='{.data.auth_token}' | base64 -d"):
         assert command in text
-    assert "aws s3 cp --recursive s3://b/p/exp1 ./exp1" in notes("--set", "storage.uri=s3://b/p")
+    assert "-c ray-head -- python -m job runs /mnt/runs\n" in text  # the index, from the pod that mounts the claim
+    on_s3 = notes("--set", "storage.uri=s3://b/p")
+    assert "aws s3 cp --recursive s3://b/p/exp1 ./exp1" in on_s3
+    assert "   python -m job runs s3://b/p\n   python -m job report --storage s3://b/p exp1\n" in on_s3
 
 
 def test_notes_say_what_pods_install_and_warn_about_tags():
@@ -820,3 +835,16 @@ def test_package_contains_the_job_and_renders_the_same(tmp_path):
                     target = posixpath.normpath(posixpath.join(posixpath.dirname(member.name), link))
                     in_repository = target.startswith("ray-finetune/docs/") and (REPO / target.split("/", 1)[1]).exists()
                     assert target in names or in_repository, f"{member.name} links {link}, in neither package nor docs/"
+
+
+def test_ray_pods_get_the_grace_period_for_a_preemption_save():
+    for value in (120, 300):
+        objects = render("--set", f"terminationGracePeriodSeconds={value}", "--set", "rayCluster.create=true")
+        specs = list(ray_pod_specs(objects))
+        assert {g for g, _ in specs} == {"head", "workers"}, specs
+        for group, spec in specs:
+            pod = spec["template"]["spec"]
+            assert pod["terminationGracePeriodSeconds"] == value, group
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == str(value - 10), group  # ray start drains within it
+    assert "terminationGracePeriodSeconds" in render_error("--set", "terminationGracePeriodSeconds=5")

@@ -240,19 +240,29 @@ def test_resume_never_refuses_an_existing_run(reference, tmp_path):
     launch.prepare(fresh, launch.run_directory(fresh))  # a new name starts
 
 
-def test_resume_two_workers_onto_one(reference, tmp_path):
-    """DCP reshards the 2-worker checkpoint onto 1 worker; with grad_accum 2 the global batches are the same
-    blocks, so the losses continue the reference's (up to float summation order)."""
-    cfg = _config(tmp_path, "one-worker", scaling={"num_workers": 1},
-                  train={"grad_accum_steps": 2}, checkpoint={"resume": f"{reference}/checkpoint_00000016"})
-    run_dir = _run(cfg)
-    (resume,) = _records(run_dir, "resume")
+def test_resume_two_workers_onto_one_and_back(reference, tmp_path):
+    """DCP reshards the 2-worker FSDP2 checkpoint onto 1 worker, which trains unwrapped (`parallel.fsdp: auto`),
+    and that worker's checkpoint back onto 2 FSDP2 workers; with grad_accum 2 on the one worker the global
+    batches are the same blocks, so the losses continue the reference's (up to float summation order)."""
+    cfg = _config(tmp_path, "one-worker", scaling={"num_workers": 1}, train={"grad_accum_steps": 2},
+                  checkpoint={"resume": f"{reference}/checkpoint_00000016", "every_steps": 2})
+    one = _run(cfg)
+    (start,) = _records(one, "start")
+    assert start["world_size"] == 1 and not start["sharded"]
+    (resume,) = _records(one, "resume")
     assert resume["step"] == 16 and resume["saved_world_size"] == 2
     assert resume["micro_batch_index"] == 32 and resume["data_exact"]
-    losses, expected = _losses(run_dir), _losses(reference)
-    assert sorted(losses) == [17, 18, 19, 20]
-    for step in losses:
-        assert losses[step] == pytest.approx(expected[step], abs=1e-4), f"step {step}"
+    two = _run(_config(tmp_path, "two-workers", checkpoint={"resume": f"{one}/checkpoint_00000018"}))
+    (start,) = _records(two, "start")
+    assert start["world_size"] == 2 and start["sharded"]
+    (resume,) = _records(two, "resume")
+    assert resume["step"] == 18 and resume["saved_world_size"] == 1 and resume["data_exact"]
+    expected = _losses(reference)
+    for run_dir, steps in ((one, range(17, 21)), (two, range(19, 21))):
+        losses = _losses(run_dir)
+        assert sorted(losses) == list(steps)
+        for step in losses:
+            assert losses[step] == pytest.approx(expected[step], abs=1e-4), f"{run_dir} step {step}"
 
 
 @pytest.mark.image_set
@@ -327,24 +337,19 @@ def test_acceptance_process_started_ahead_checks_what_it_is_sent(reference, tmp_
 # ---- Single-process checks (no Ray): unreadable checkpoints, object-store paths, the torchrun layout.
 
 
-@pytest.fixture
-def single_process(tmp_path):
-    import torch.distributed as dist
+def _sharded_model(cfg: config_lib.RunConfig, fsdp: str = "always"):
+    """The model of `cfg` on this one process, sharded by FSDP2 (`fsdp: always`) or, with `auto`, unwrapped."""
+    import dataclasses
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _sharded_model(cfg: config_lib.RunConfig):
     from torch.distributed.device_mesh import init_device_mesh
 
     from job.model import CausalLMWithLoss, build_causal_lm, parallelize
     from job.train import build_optimizer
 
     lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
-    model = parallelize(CausalLMWithLoss(lm), cfg.parallel, init_device_mesh("cpu", (1,)), False)
-    optimizer, _ = build_optimizer(model, cfg.train, torch.device("cpu"))
+    model = parallelize(CausalLMWithLoss(lm), dataclasses.replace(cfg.parallel, fsdp=fsdp),
+                        init_device_mesh("cpu", (1,)), False)
+    optimizer, _ = build_optimizer(model, cfg.train)
     return model, optimizer
 
 
@@ -592,16 +597,19 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
         torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("parallel", [{}, {"compile": True, "activation_checkpointing": True}])
-def test_the_first_saves_layout_is_known_before_the_first_step(tmp_path, single_process, monkeypatch, parallel):
+@pytest.mark.parametrize("fsdp", ["always", "auto"])
+@pytest.mark.parametrize("parallel", [{}, {"compile": True, "activation_checkpointing": True}, {"compile": True}])
+def test_the_first_saves_layout_is_known_before_the_first_step(tmp_path, single_process, monkeypatch, parallel,
+                                                               fsdp):
     """`first_save_layout` before any step: exactly the tensors, shapes and dtypes a save stages after one (the
-    optimizer's state predicted, not read, which would initialise it), with the wrappers' names taken off."""
+    optimizer's state predicted, not read, which would initialise it), with the wrappers' names taken off;
+    sharded, and unwrapped (one worker)."""
     import functools
 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    model, optimizer = _sharded_model(_config(tmp_path, "layout", parallel=parallel))
+    model, optimizer = _sharded_model(_config(tmp_path, "layout", parallel=parallel), fsdp)
     predicted = checkpoint_lib.first_save_layout(model)
     assert not optimizer.state
     model(**_batch())[0].backward()

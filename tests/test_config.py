@@ -50,6 +50,11 @@ def load_with(**sections):
         ({"parallel": {"compile": True, "cpu_offload": True}}, "parallel.compile: not supported together"),
         ({"preflight": {"sizes_mib": []}}, "preflight.sizes_mib: expected a non-empty list"),
         ({"preflight": {"expect": {"transport": "carrier-pigeon"}}}, "preflight.expect.transport: expected"),
+        ({"train": {"hang_timeout_s": -1}}, "train.hang_timeout_s: must be >= 0 (0: off; null: automatic)"),
+        ({"train": {"loss_spike_factor": 0.5}}, "train.loss_spike_factor: must be 0 (off) or > 1, got 0.5"),
+        ({"train": {"loss_spike_intervals": 0}}, "train.loss_spike_intervals: must be > 0"),
+        ({"train": {"hang_timeout_s": 0}, "debug": {"fail_at_step": 3, "fail_mode": "hang"}},
+         "debug.fail_mode: hang needs its check on: train.hang_timeout_s is 0"),
     ],
 )
 def test_bad_input_names_the_field(sections, message):
@@ -203,7 +208,7 @@ def test_help_lists_the_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("compare RUN_A RUN_B", "report RUN_DIR", "accept EXPORT_DIR", "schema"):
+    for command in ("runs STORAGE", "compare RUN_A RUN_B", "report RUN_DIR", "accept EXPORT_DIR", "schema"):
         assert command in out
 
 

@@ -6,42 +6,12 @@ command resumes from the latest complete checkpoint in the bucket and finishes.
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import pytest
 import yaml
 
 from conftest import REPO, tiny_run_config
-
-
-@pytest.fixture
-def s3_endpoint():
-    """A moto S3 server on 127.0.0.1 (bounded to this test) and the AWS environment pointing at it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-        import boto3
-
-        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="test",
-                     aws_secret_access_key="test", region_name="us-east-1").create_bucket(Bucket="runs")
-        yield env
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def test_run_checkpoints_and_resumes_on_s3(tmp_path, s3_endpoint):

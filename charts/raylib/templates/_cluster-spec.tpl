@@ -17,6 +17,7 @@ describes its cluster in its own values and shares one pod template:
     volumeMounts: []
     shmSizeLimit: 8Gi           # memory-backed /dev/shm of this size
     podSecurityContext: {}
+    terminationGracePeriodSeconds: 0  # SIGTERM to SIGKILL, seconds; 0: Kubernetes' default (30)
   head: <group>
   workerGroups:                 # map: group name -> <group> plus `replicas`
     workers: <group>

@@ -40,6 +40,9 @@ spec:
   affinity:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  {{- with $pod.terminationGracePeriodSeconds }}
+  terminationGracePeriodSeconds: {{ . }}
+  {{- end }}
   {{- with $pod.podSecurityContext }}
   securityContext:
     {{- toYaml . | nindent 4 }}

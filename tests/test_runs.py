@@ -1,0 +1,268 @@
+"""Tests of job/runs.py: the run index (`python -m job runs`), its filters, bad directories and bad inputs, on a
+local directory and on a local S3 server; `report` and `compare` by run name."""
+
+import copy
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from job import evidence, failures, report, runs
+
+DIGEST = "sha256:" + "ab" * 32
+NOW = dt.datetime.now(dt.timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def base_record(tmp_path_factory) -> dict:
+    """A closed record as the job writes it (evidence.start_record / finish_record), to vary per run."""
+    run_dir = str(tmp_path_factory.mktemp("base") / "base")
+    env = {"JOB_CHART": "ray-finetune", "JOB_CHART_VERSION": "0.3.0", "JOB_RELEASE": "base", "JOB_VALUES_SHA256": "0" * 64}
+    record = evidence.start_record(run_dir, config={"name": "base", "train": {"lr": 1e-4, "max_steps": 20}},
+                                   config_text="x", seed=1, pods=[{"digest": DIGEST}], env=env)
+    return evidence.finish_record(run_dir, record, metrics={"steps": 20, "final_eval_loss": 3.25, "task_eval": {}})
+
+
+def _iso(hours_ago: float) -> str:
+    return (NOW - dt.timedelta(hours=hours_ago)).isoformat(timespec="seconds")
+
+
+def write_run(root, name: str, base: dict, **changes) -> dict:
+    """`<root>/<name>/run.json`: `base` with `changes`, nested keys joined by `__` (`metrics__steps=250`)."""
+    record = copy.deepcopy(base)
+    record.update(run_name=name, run_dir=f"{root}/{name}")
+    for key, value in changes.items():
+        *parents, last = key.split("__")
+        target = record
+        for part in parents:
+            if not isinstance(target.get(part), dict):
+                target[part] = {}
+            target = target[part]
+        target[last] = value
+    os.makedirs(f"{root}/{name}", exist_ok=True)
+    with open(f"{root}/{name}/run.json", "w") as f:
+        json.dump(record, f)
+    return record
+
+
+def timing(goodput: float) -> dict:
+    """run.json's `time` of a 100 s attempt with this goodput."""
+    phases = dict.fromkeys(("startup", "data", "model", "resume", "warmup", "eval", "checkpoint", "task_eval", "export"), 0.0)
+    return {"wall_s": 100.0, "phases_s": {**phases, "train": 100.0 * goodput, "other": 100.0 * (1 - goodput)},
+            "goodput": goodput, "checkpoint_blocking_s": []}
+
+
+def heartbeat(root, name: str, hours_ago: float, pid: int | None = None) -> None:
+    # From the present, not NOW (import time): in a long suite, "0 hours ago" at import is long stale at the test.
+    at = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=hours_ago)).isoformat(timespec="seconds")
+    beat = {"at": at, "pid": pid or os.getpid(), "host": socket.gethostname(), "timeout_s": 600.0}
+    (root / name / failures.HEARTBEAT_FILE).write_text(json.dumps(beat))
+
+
+@pytest.fixture
+def storage(tmp_path, base_record):
+    """A storage path with one run of each ending, and directories that are not runs."""
+    root = tmp_path / "runs"
+    write_run(root, "gsm8k-a", base_record, started_at=_iso(5), ended_at=_iso(4), time=timing(0.5),
+              metrics__steps=250, metrics__final_eval_loss=0.5667, config__train__lr=1e-5,
+              metrics__task_eval={"gsm8k": {"step": 250, "exact_match": 0.535, "n": 1319}},
+              previous_attempts=[{"status": "interrupted"}])
+    write_run(root, "gsm8k-b", base_record, started_at=_iso(3), ended_at=_iso(2), time=timing(0.25),
+              status="failed", error=failures.error("infrastructure", "worker_lost", "lost", step=12),
+              metrics__steps=12, config__train__lr=3e-4)
+    write_run(root, "live", base_record, started_at=_iso(1), ended_at=None, status="running", metrics=None)
+    heartbeat(root, "live", 0)
+    write_run(root, "dead", base_record, started_at=_iso(2.5), ended_at=None, status="running", metrics=None)
+    heartbeat(root, "dead", 2)
+    (root / "datasets" / "gsm8k").mkdir(parents=True)
+    (root / "datasets" / "gsm8k" / "train.jsonl").write_text("{}\n")
+    (root / ".compile_cache").mkdir()
+    (root / "notes.txt").write_text("a file beside the runs\n")
+    return root
+
+
+def listing(*args: str, capsys) -> tuple[int, str, str]:
+    code = runs.main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_lists_every_run_with_its_columns(storage, capsys):
+    code, out, err = listing(str(storage), capsys=capsys)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "STATUS", "STARTED", "(UTC)", "ENDED", "(UTC)", "ATTEMPTS", "STEPS", "GOODPUT",
+                                "EVAL", "LOSS", "TASK", "CHART", "IMAGE", "FAILURE", "/", "REASON"]
+    assert [line.split()[0] for line in lines[1:5]] == ["gsm8k-a", "gsm8k-b", "dead", "live"]  # oldest start first
+    a = lines[1].split()
+    assert a[1] == "succeeded" and a[6:] == ["2", "250", "50.0%", "0.5667", "gsm8k", "53.5%", "0.3.0", DIGEST[:19], "-"]
+    assert lines[2].split()[1] == "failed" and lines[2].endswith("  infrastructure/worker_lost")
+    assert lines[3].split()[1] == "stale" and "driver heartbeat stale" in lines[3]
+    assert lines[4].split()[1] == "running"
+    assert lines[5] == f"4 of 4 runs under {storage} (1 running, 1 stale, 1 failed)"  # datasets/ is not a run
+
+    code, out, _ = listing(str(storage), "--json", capsys=capsys)
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert set(rows) == {"gsm8k-a", "gsm8k-b", "live", "dead"}
+    assert rows["gsm8k-a"] == {"name": "gsm8k-a", "path": f"{storage}/gsm8k-a", "status": "succeeded",
+                               "started": _iso(5), "ended": _iso(4), "attempts": 2, "steps": 250, "goodput": 0.5,
+                               "eval_loss": 0.5667, "task": "gsm8k", "task_score": 0.535, "chart": "0.3.0",
+                               "image": DIGEST, "failure": None, "reason": None}
+    assert rows["gsm8k-b"]["failure"] == "infrastructure/worker_lost"
+    assert rows["dead"]["reason"].startswith("record running, driver heartbeat stale (last at ")
+
+
+def test_half_written_and_corrupt_directories_are_rows(storage, capsys):
+    bad = {"empty": b"", "cut": b'{"schema_version": 1, "status": "succ', "binary": b"\x00\xff{}",
+           "list": b"[1, 2]", "no-status": b'{"run_name": "x"}', "bad-json": b'{"status": succeeded}'}
+    for name, data in bad.items():
+        (storage / name).mkdir()
+        (storage / name / "run.json").write_bytes(data)
+    (storage / "before-record").mkdir()
+    (storage / "before-record" / "config.yaml").write_text("name: before-record\n")
+    (storage / "starting").mkdir()
+    (storage / "starting" / "config.yaml").write_text("name: starting\n")
+    heartbeat(storage, "starting", 0)
+    (storage / "dir-record" / "run.json").mkdir(parents=True)
+
+    code, out, err = listing(str(storage), "--json", capsys=capsys)
+    assert code == 0 and err == ""
+    rows = {r["name"]: r for r in json.loads(out)}
+    reasons = {name: rows[name]["reason"] for name in rows if rows[name]["status"] == "unreadable"}
+    assert reasons == {
+        "empty": "run.json is empty (half written)",
+        "cut": "run.json is not valid JSON (cut short: half written): Unterminated string starting at (line 1, column 33)",
+        "binary": "run.json is not UTF-8 text (corrupt): invalid start byte at byte 1",
+        "list": "run.json holds a JSON list, not a run record",
+        "no-status": "run.json has no valid status (None): not a run record",
+        "bad-json": "run.json is not valid JSON (corrupt): Expecting value (line 1, column 12)",
+        "before-record": "no run.json (has config.yaml)",
+        "dir-record": reasons["dir-record"],
+    }
+    assert reasons["dir-record"].startswith("cannot read run.json: ")
+    assert rows["starting"]["status"] == "starting"
+    assert rows["gsm8k-a"]["status"] == "succeeded"  # the good runs are still there
+
+    code, out, _ = listing(str(storage), capsys=capsys)
+    assert out.splitlines()[-1] == (f"13 of 13 runs under {storage} "
+                                    "(1 running, 1 stale, 1 starting, 1 failed, 8 unreadable)")
+
+
+def test_filters_and_sorting(storage, capsys):
+    def names(*args):
+        code, out, err = listing(str(storage), "--json", *args, capsys=capsys)
+        assert code == 0, err
+        return [r["name"] for r in json.loads(out)]
+
+    assert names("--status", "failed,stale") == ["gsm8k-b", "dead"]
+    assert names("--status", "running", "--status", "succeeded") == ["gsm8k-a", "live"]
+    assert names("--name", "gsm8k-*") == ["gsm8k-a", "gsm8k-b"]
+    assert names("--name", "l*", "--name", "d*") == ["dead", "live"]
+    assert names("--where", "config.train.lr=0.00001") == ["gsm8k-a"]  # 1e-5 as a number
+    assert names("--where", "config.train.lr>1e-5") == ["gsm8k-b", "dead", "live"]
+    assert names("--where", "goodput>=0.25", "--where", "steps<100") == ["gsm8k-b"]
+    assert names("--where", "failure~infrastructure/*") == ["gsm8k-b"]
+    assert names("--where", "error.class!=infrastructure") == ["gsm8k-a", "dead", "live"]  # no error: not infra
+    assert names("--where", "chart.version=0.3.0", "--where", "task=gsm8k") == ["gsm8k-a"]
+    assert names("--where", f"started>={_iso(2.6)}") == ["dead", "live"]  # ISO times order as text
+    assert names("--where", "status=succeeded", "--name", "nothing*") == []
+    # Sorting: missing values last either way.
+    assert names("--sort", "goodput") == ["gsm8k-b", "gsm8k-a", "dead", "live"]
+    assert names("--sort", "goodput", "--reverse") == ["gsm8k-a", "gsm8k-b", "dead", "live"]
+    assert names("--sort", "name") == ["dead", "gsm8k-a", "gsm8k-b", "live"]
+    assert names("--sort", "config.train.lr", "--reverse")[:2] == ["gsm8k-b", "dead"]
+
+    code, out, _ = listing(str(storage), "--status", "cancelled", capsys=capsys)
+    assert out.splitlines() == ["no run matches the filters", f"0 of 4 runs under {storage} (1 running, 1 stale, 1 failed)"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--where", "trian.lr=1"], "--where 'trian.lr=1': unknown field 'trian' (run.json has: schema_version, run_name, "),
+    (["--where", "config.train.lrr=1"], "--where 'config.train.lrr=1': unknown field 'config.train.lrr' (config.train has: max_steps, "),
+    (["--where", "config.train.lr.x=1"], "--where 'config.train.lr.x=1': config.train.lr is a value, it has no field 'x'"),
+    (["--where", "goodput"], "--where 'goodput': expected FIELD OP VALUE, OP one of != <= >= = < > ~"),
+    (["--where", "goodput>"], "--where 'goodput>': expected FIELD OP VALUE"),
+    (["--sort", "speed"], "--sort 'speed': unknown field 'speed' (a column: name, path, status, "),
+    (["--status", "done"], "--status 'done': unknown status (one of running, stale, starting, succeeded, failed, "),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_filters_give_one_line(storage, capsys, args, message):
+    code, out, err = listing(str(storage), *args, capsys=capsys)
+    assert code == 2 and out == "" and err.startswith(f"runs: {message}") and err.count("\n") == 1
+
+
+def test_bad_paths_give_one_line(tmp_path, capsys):
+    assert listing(capsys=capsys)[2] == "runs: the following arguments are required: storage\n"
+    assert listing(str(tmp_path / "nope"), capsys=capsys)[1:] == ("", f"runs: {tmp_path / 'nope'}: no such directory\n")
+    (tmp_path / "file").write_text("x")
+    assert listing(str(tmp_path / "file"), capsys=capsys)[2] == f"runs: {tmp_path / 'file'}: not a directory\n"
+    code, out, _ = listing(str(tmp_path), capsys=capsys)
+    assert code == 0 and out == f"no runs under {tmp_path}\n"
+
+
+def test_the_cli_lists_without_importing_torch(storage):
+    probe = ("import sys; from job.__main__ import main; code = main(['runs', sys.argv[1]]); "
+             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(storage)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "gsm8k-a" in proc.stdout
+
+
+def test_report_and_compare_by_name(storage, tmp_path, capsys):
+    assert report.main(["--storage", str(storage), "gsm8k-a", "--no-plots", "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.md").read_text().startswith("# Run report: gsm8k-a\n")
+    capsys.readouterr()
+    assert evidence.compare_main(["--storage", str(storage), "gsm8k-a", "gsm8k-b"]) == 1  # the lr differs
+    out = capsys.readouterr().out
+    assert out.startswith(f"A: {storage}/gsm8k-a  (gsm8k-a, succeeded)\nB: {storage}/gsm8k-b  (gsm8k-b, failed)\n")
+    assert "train.lr: 1e-05 -> 0.0003" in out
+    # A path is still a path, with --storage or without.
+    assert evidence.compare_main(["--storage", str(tmp_path), str(storage / "gsm8k-a"), str(storage / "gsm8k-a")]) == 0
+    capsys.readouterr()
+    assert evidence.compare_main(["--storage", str(storage), "gsm8k-a", "gsm8k-z"]) == 2
+    assert capsys.readouterr().err == (f"compare: no run named 'gsm8k-z' under {storage} "
+                                       f"(python -m job runs {storage} lists them)\n")
+    assert report.main(["--storage", str(storage), "gsm8k-z"]) == 2
+    assert capsys.readouterr().err.startswith("report: no run named 'gsm8k-z' under ")
+
+
+def test_lists_runs_on_s3(s3_endpoint, storage, base_record, monkeypatch, capsys):
+    import s3fs
+
+    for key, value in s3_endpoint.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    fs.put(str(storage) + "/", "runs/idx/", recursive=True)
+    fs.pipe("runs/idx/cut/run.json", b'{"status": "succ')
+    fs.pipe("runs/idx/before-record/config.yaml", b"name: before-record\n")
+
+    code, out, err = listing("s3://runs/idx", "--json", capsys=capsys)
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert {n: r["status"] for n, r in rows.items()} == {
+        "gsm8k-a": "succeeded", "gsm8k-b": "failed", "live": "running", "dead": "stale", "cut": "unreadable",
+        "before-record": "unreadable"}
+    assert rows["gsm8k-a"]["path"] == "s3://runs/idx/gsm8k-a" and rows["gsm8k-a"]["task_score"] == 0.535
+    assert rows["before-record"]["reason"] == "no run.json (has config.yaml)"
+    code, out, _ = listing("s3://runs/idx", "--where", "config.train.lr=1e-5", capsys=capsys)
+    assert [line.split()[0] for line in out.splitlines()[1:-1]] == ["gsm8k-a"]
+    assert report.main(["--storage", "s3://runs/idx", "gsm8k-a", "--no-plots", "--out", str(storage / "r")]) == 0
+
+    assert listing("s3://nobucket/idx", capsys=capsys)[2] == "runs: s3://nobucket/idx: no such bucket\n"
+    assert listing("s3://runs/nothing", capsys=capsys)[2] == "runs: s3://runs/nothing: no such directory\n"
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(storage / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(storage / "no-config"))
+    s3fs.S3FileSystem.clear_instance_cache()
+    code, out, err = listing("s3://runs/idx", capsys=capsys)
+    assert code == 2 and out == "" and err == (
+        "runs: s3://runs/idx: no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
+        "or run where an IAM role provides them)\n")
