@@ -22,13 +22,16 @@ mkdir -p "$(dirname "$build_log")"
   echo "# control-plane build (background, $build_log): $((SECONDS - t0)) s (exit $status)" ) &
 
 leg "setup (.venv, helm)" bash scripts/setup.sh --dev
-leg "pinned tests" .venv/bin/python -m pytest -q --durations=25 "$@" tests  # the slowest tests: where the suite's time goes
+# A passing test's tmp_path is deleted when it ends: the checkpoints of the pretrained and resume tests add up to
+# GBs, and pytest keeps three sessions' (CI's disk is shared and ran out once). A failing test's is kept to look at.
+pytest_args=(-q -o tmp_path_retention_policy=failed "$@" tests)
+leg "pinned tests" .venv/bin/python -m pytest --durations=25 "${pytest_args[@]}"  # the slowest tests: where the suite's time goes
 [[ "${IMAGE_SET:-1}" == 0 ]] && exit 0
 leg "setup (.venv-image)" bash scripts/setup.sh --image
 echo "# the image's library versions: $(.venv-image/bin/python -c 'import platform, ray, torch, transformers
 print(f"Python {platform.python_version()}, Ray {ray.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")')"
 status=0
-leg "image-set tests" .venv-image/bin/python -m pytest -q -m image_set "$@" tests || status=$?
+leg "image-set tests" .venv-image/bin/python -m pytest -m image_set "${pytest_args[@]}" || status=$?
 # Extra arguments may select no image_set test (pytest exit 5): that is not a failure of this set.
 [[ $status == 5 ]] && exit 0
 exit $status
