@@ -184,6 +184,8 @@ def describe(exc: BaseException | str | dict | None, *, step: int | None = None,
     if isinstance(exc, str):
         return error("unknown", "exception", exc, step=step, rank=rank)
     cls, reason, decisive = classify(exc)
+    if isinstance(decisive, Preempted):  # the step it saved, which the last logged step may precede
+        step = decisive.step
     message = " ".join(f"{type(exc).__name__}: {exc}".split())[:2000]
     return error(cls, reason, message, exception=type(decisive).__name__, step=step, rank=rank)
 

@@ -72,7 +72,8 @@ record = json.load(open(f"{sys.argv[1]}/run.json"))
 attempt = record["previous_attempts"][-1]
 print(f"status {record['status']}, resumed from {record['extra']['resumed_from']['step']}, previous attempt "
       f"{attempt['status']} at step {attempt['steps']}, last seen {attempt['ended_at']}")
-sys.exit(not (record["status"] == "succeeded" and attempt["status"] == "interrupted" and attempt["steps"] >= 6))
+# The killed driver could not close its record: the next start marks it abandoned (its heartbeat went stale).
+sys.exit(not (record["status"] == "succeeded" and attempt["status"] == "abandoned" and attempt["steps"] >= 6))
 EOF
     ); verdict kill-driver $(( rc || $? )) "exit $rc, $out"
 }
@@ -114,8 +115,11 @@ drill_disk-full() {  # storage of 2 MiB: the second checkpoint does not fit; the
 import json, os, sys
 record = json.load(open(f"{sys.argv[1]}/run.json"))
 partial = [d for d in os.listdir(sys.argv[1]) if d.startswith("checkpoint_") and not os.path.exists(f"{sys.argv[1]}/{d}/_COMPLETE")]
-print(f"run.json {record['status']}: {(record['error'] or '')[:200]}; partial checkpoints left: {partial}")
-sys.exit(not (record["status"] == "failed" and "No space left" in record["error"] and sys.argv[1] in record["error"]))
+error = record["error"] or {}
+print(f"run.json {record['status']} {error.get('class')}/{error.get('reason')}: {error.get('message', '')[:200]}; "
+      f"partial checkpoints left: {partial}")
+sys.exit(not (record["status"] == "failed" and (error.get("class"), error.get("reason")) == ("infrastructure", "disk_full")
+              and "No space left" in error["message"] and sys.argv[1] in error["message"]))
 EOF
     ); local checked=$?
     umount "$mnt"

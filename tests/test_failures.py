@@ -80,7 +80,8 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
 def test_classify_from_the_exception_chain(exc, expected):
     err = failures.describe(exc, step=3, rank=1)
     assert (err["class"], err["reason"], err["exception"]) == expected
-    assert err["step"] == 3 and err["rank"] == 1 and err["message"]
+    saved_step = exc.step if isinstance(exc, failures.Preempted) else 3  # a preemption names the step it saved
+    assert err["step"] == saved_step and err["rank"] == 1 and err["message"]
 
 
 def test_non_finite_loss_is_the_model():
@@ -130,12 +131,12 @@ def test_stale_heartbeat_record_is_abandoned_on_the_next_start(tmp_path):
 def test_a_preempted_record_names_its_checkpoint_step(tmp_path):
     run_dir = tmp_path / "r"
     record = _running_record(run_dir)
-    uri = str(run_dir / "checkpoint_00000010")
-    closed = evidence.finish_record(str(run_dir), record, status="failed", error=failures.Preempted(10, uri, 1),
+    uri = str(run_dir / "checkpoint_00000012")  # saved at step 12; the metrics were last logged at step 10
+    closed = evidence.finish_record(str(run_dir), record, status="failed", error=failures.Preempted(12, uri, 1),
                                     rank=0, checkpoints={"dir": str(run_dir), "latest": uri, "keep_last": 2})
     validate(closed)
     assert (closed["error"]["class"], closed["error"]["reason"], closed["error"]["step"]) == \
-        ("infrastructure", "preempted", 10)
+        ("infrastructure", "preempted", 12)
     for broken in ({**closed, "checkpoints": None}, {**closed, "error": {**closed["error"], "step": None}},
                    {**closed, "error": {**closed["error"], "class": "unknown"}}, {**closed, "status": "cancelled"}):
         with pytest.raises(jsonschema.ValidationError):
