@@ -22,6 +22,7 @@ STARTED_AT = time.time()
 """When the driver started (before its imports): the start of the run's time accounting (`metrics.Timeline`)."""
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except checkpoint_lib.CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
-        _record_refusal(cfg, recordable, failures.error("config", "resume_refused", str(e), exception=type(e).__name__))
+        _record_refusal(cfg, recordable, e)
         return 1
     except data_lib.DataError as e:
         print(f"data error: {e}", file=sys.stderr)
@@ -123,13 +124,20 @@ def main(argv: list[str] | None = None) -> int:
 def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> None:
     """A run refused once its run directory exists (`launch.check_before_start` created and wrote it: a bad data
     row, a refused resume, a worker group the cluster cannot place) gets a `failed` record of this attempt,
-    written by the driver (rank 0 of torchrun's processes). Refused before that (the config, the packages, the
-    storage itself, the model's settings), there is nowhere to write one: the exit status and the message are the whole record."""
+    written by the driver (rank 0 of torchrun's processes), unless the run has trained: no worker started, so the
+    run is still what its record says, and that stays (its results, and its config rather than the refused one,
+    e.g. `checkpoint.resume: never` on this run; a live run's record is not the refused driver's). Refused
+    before that (the config, the packages, the storage itself, the model's settings), there is nowhere to write
+    one: the exit status and the message are the whole record."""
     from . import evidence, launch
 
     if run_dir is None or os.environ.get("RANK", "0") != "0":
         return
     try:
+        with contextlib.suppress(OSError, ValueError):  # no record, or one not this driver's to judge
+            if (evidence.load_record(run_dir).get("metrics") or {}).get("steps"):
+                print(f"{run_dir}/run.json is left as it was: the refused attempt did not start", file=sys.stderr)
+                return
         evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, STARTED_AT))
     except Exception as e:  # the refusal's message is already out; a record that cannot be written must not hide it
         print(f"cannot record the failure in {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -75,6 +75,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be used (unreadable, incomplete, another model); names the path."""
 
 
+class ResumeRefused(CheckpointError):
+    """The config asks for what the run's checkpoints forbid (`checkpoint.resume`, another model, settings that
+    would not continue the same run): a `config` error (`failures.classify`), not a broken checkpoint."""
+
+
 def step_dir(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
@@ -191,7 +196,7 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
     if policy == "never":
         existing = [uri for _, uri, _ in list_checkpoints(run_dir)]
         if existing or storage.exists(storage.join(run_dir, RAY_SNAPSHOT)):
-            raise CheckpointError(
+            raise ResumeRefused(
                 f"checkpoint.resume: never, but run {run_dir} already has checkpoints "
                 f"({', '.join(existing) or RAY_SNAPSHOT}); choose a new run name, delete the run directory, "
                 "or set checkpoint.resume: auto to continue it"
@@ -199,9 +204,9 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
     elif policy != "auto" and latest_complete(run_dir) is None:
         # An explicit start point matters only while the run has no checkpoint of its own.
         if not storage.exists(policy):
-            raise CheckpointError(f"checkpoint.resume: no checkpoint at {policy}")
+            raise ResumeRefused(f"checkpoint.resume: no checkpoint at {policy}")
         if not storage.exists(storage.join(policy, COMPLETE)):
-            raise CheckpointError(f"checkpoint {policy}: incomplete (no {COMPLETE} marker; the save was interrupted)")
+            raise ResumeRefused(f"checkpoint {policy}: incomplete (no {COMPLETE} marker; the save was interrupted)")
 
 
 def retire_ray_snapshot(run_dir: str) -> bool:
@@ -290,7 +295,7 @@ def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) ->
         detail = "; ".join(
             f"{IDENTITY_FIELDS[k]}: checkpoint {saved[k]}, now {identity[k]}" if k not in ("tokenizer", "data")
             else f"{k}: differs (sha256 {saved[k][:12]}… in the checkpoint, {identity[k][:12]}… now)" for k in differ)
-        raise CheckpointError(
+        raise ResumeRefused(
             f"checkpoint {uri}: would not continue the same run ({detail}). Restore the settings, start a new run "
             f"name, or, if the change is intended, set checkpoint.allow_changes: [{', '.join(differ)}]")
 
@@ -730,7 +735,7 @@ def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer,
     differ = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
     if differ:
         detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in differ.items())
-        raise CheckpointError(f"checkpoint {uri}: saved for another model architecture ({detail})")
+        raise ResumeRefused(f"checkpoint {uri}: saved for another model architecture ({detail})")
     check_identity(uri, state, identity, cfg.checkpoint.allow_changes)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:

@@ -268,7 +268,8 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded",
     Call on rank 0 at the end of training (`status="succeeded"`) or from the `except`
     branch (`status="failed", error=exc, rank=0`); the driver closes what the workers could not
     (`close_if_running`: `failed`, `cancelled`; `abandon_stale`: `abandoned`). `error` becomes the structured
-    error of `failures.describe` (its step: the last train step in the metrics). `ended_at` defaults to now.
+    error of `failures.describe` (its step: the last train step in the metrics; an `nccl` or `hang` error also
+    names the run's `transport` summary). `ended_at` defaults to now.
     `metrics` defaults to `summarize_metrics` of `<run_dir>/metrics.jsonl`. Other keyword arguments as in
     `update_record`: `evaluation` (task results), `checkpoints` (e.g.
     `{"dir": ..., "latest": ...}`), `export` (e.g. `{"path": ..., "accepted": True}`),
@@ -281,6 +282,8 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded",
     record["status"] = status
     step = _last_seen(run_dir, record.get("started_at")).get("steps") if error is not None else None
     record["error"] = failures.describe(error, step=step, rank=rank)
+    if (record["error"] or {}).get("reason") in failures.COLLECTIVE_REASONS and record.get("transport"):
+        record["error"] = {**record["error"], "transport": record["transport"]["summary"]}  # the path it failed on
     record["ended_at"] = ended_at or _now()
     try:
         start = _dt.datetime.fromisoformat(record["started_at"])

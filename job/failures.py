@@ -4,11 +4,12 @@
   "exception", "step", "rank"}`. The class comes from the exception chain alone (types are matched by name, so
   Ray's need not be imported): a lost worker process is `infrastructure`/`worker_lost`, a lost Ray Train
   controller (its node or the cluster gone) `infrastructure`/`cluster_lost`, a `DataError` is `data`,
-  a `ConfigError` `config`, a non-finite loss or a loss spike `model`, a hang, out of memory and a full disk
-  `infrastructure`, a KeyboardInterrupt `cancelled`, a `Preempted` attempt `infrastructure`/`preempted`; by
-  message, a peer lost under gloo `infrastructure`/`worker_lost` and an NCCL error or timeout
-  `infrastructure`/`nccl`; anything else `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`,
-  through `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `driver_watch`).
+  a `ConfigError` `config` (a refused resume, `ResumeRefused`, `config`/`resume_refused`), a non-finite loss or
+  a loss spike `model`, a hang, out of memory and a full disk `infrastructure`, a KeyboardInterrupt `cancelled`,
+  a `Preempted` attempt `infrastructure`/`preempted`; by message, a peer lost under gloo
+  `infrastructure`/`worker_lost` and an NCCL error or timeout `infrastructure`/`nccl`; anything else
+  `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`, through
+  `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `driver_watch`).
 * `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while the run lives,
   and once more with `"final": true` when its watch ends; `liveness` reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
   process is gone from this host) is stale, and the next start of the run marks it `abandoned`
@@ -38,6 +39,8 @@ import threading
 from . import storage
 
 CLASSES = ("infrastructure", "data", "config", "model", "cancelled", "unknown")
+COLLECTIVE_REASONS = ("nccl", "hang")
+"""The `infrastructure` reasons whose error also names the run's transport (`evidence.finish_record`)."""
 HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_EVERY_S = 10.0
 """How often the driver rewrites its heartbeat."""
@@ -61,6 +64,7 @@ _BY_TYPE = (
     ("NonFiniteError", "model", "non_finite_loss"),
     ("LossSpikeError", "model", "loss_spike"),
     ("DataError", "data", "exception"),
+    ("ResumeRefused", "config", "resume_refused"),  # the checkpoint's run is not this config's
     ("ConfigError", "config", "exception"),
     ("MissingPackage", "config", "missing_package"),
 )

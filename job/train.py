@@ -34,7 +34,7 @@ from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
                     weights_fingerprint)
-from .watchdog import LossSpikes, Watchdog
+from .watchdog import HangError, LossSpikes, Watchdog
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -167,12 +167,12 @@ def start_watchdog(run: Run, record: dict | None) -> Watchdog:
     attempt = torch.tensor(len(record["previous_attempts"]) + 1 if record else 0, device=run.device)
     dist.broadcast(attempt, src=0)
 
-    def close_record(error: Exception) -> None:
-        evidence.finish_record(run.run_dir, record, status="failed", error=error, rank=run.rank,
+    def close_record(error: HangError) -> None:
+        evidence.finish_record(run.run_dir, record, status="failed", error=error, rank=error.rank,
                                time=run.timeline.summary())
 
     watchdog = Watchdog(run.cfg.train.hang_timeout_s, run.run_dir, run.rank, int(attempt.item()), run.start_step,
-                        close_record if record else None)
+                        close_record if record else None, dist.get_world_size(), dist.get_backend() == "gloo")
     run.timeline.on_phase = watchdog.phase
     return watchdog
 

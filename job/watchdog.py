@@ -3,9 +3,10 @@
 * `Watchdog` -- a daemon thread per worker: when no training step finished within `train.hang_timeout_s` (a
   longer allowance inside the phases between steps, see that field), it writes every thread's Python stack of
   this rank to `<run_dir>/hang/attempt-<n>-rank<r>.txt`, rank 0 closes the run record `failed` as
-  `infrastructure`/`hang` (`HangError`), and the process ends (`os._exit`), so Ray Train sees a lost worker and
-  retries from the last checkpoint (`scaling.max_failures`). A thread, because the main thread is then blocked in
-  a collective or in device work, with the GIL released.
+  `infrastructure`/`hang` (`HangError`; its rank the one that hung, where the ranks' stacks tell: `hung_ranks`),
+  and the process ends (`os._exit`), so Ray Train sees a lost worker and retries from the last checkpoint
+  (`scaling.max_failures`). A thread, because the training loop's thread is then blocked in a collective or in
+  device work, with the GIL released.
 * `LossSpikes` -- at each log interval (where the loop reads the loss anyway): a loss above
   `train.loss_spike_factor` x the median of the recent logged losses for `train.loss_spike_intervals` intervals
   in a row raises `LossSpikeError` (`model`/`loss_spike`).
@@ -13,6 +14,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import statistics
@@ -30,6 +33,8 @@ HANG_STEP_FACTOR = 10
 """The automatic timeout: this many times the slowest step after the first, when that is above the floor."""
 HANG_PHASE_FACTOR = 6
 """The allowance for the first step and each phase between steps, in timeouts."""
+HANG_PEERS_WAIT_S = 3.0
+"""How long rank 0 waits for the other ranks' stack files to name the rank that hung (well within HANG_GRACE_S)."""
 HANG_GRACE_S = 10.0
 """How long a rank without the record (not rank 0) waits after its dump before it ends, so that rank 0 closes the
 record first: the first lost worker ends the whole group, and the driver would close it as `worker_lost`."""
@@ -40,7 +45,10 @@ SPIKE_MIN_HISTORY = 5
 
 
 class HangError(RuntimeError):
-    """No training step finished within the hang timeout: `infrastructure`/`hang`."""
+    """No training step finished within the hang timeout: `infrastructure`/`hang`; `rank` is the rank that hung
+    when the stacks tell (`hung_ranks`), else None."""
+
+    rank: int | None = None
 
 
 class LossSpikeError(RuntimeError):
@@ -53,8 +61,10 @@ class Watchdog:
     (`timeout_s`: fixed; None: automatic; 0: no thread). `on_hang(HangError)` runs before the process ends."""
 
     def __init__(self, timeout_s: float | None, run_dir: str, rank: int, attempt: int, step: int,
-                 on_hang: Callable[[HangError], None] | None = None):
+                 on_hang: Callable[[HangError], None] | None = None, world: int = 1, blocking: bool = False):
         self.fixed, self.run_dir, self.rank, self.attempt, self.on_hang = timeout_s, run_dir, rank, attempt, on_hang
+        self.world, self.blocking = world, blocking  # blocking: collectives block the calling thread (gloo)
+        self.loop_thread = threading.get_ident()  # the training loop's (Ray Train runs it beside the main thread)
         self.slowest = 0.0
         self.steps = 0
         self.step = step
@@ -95,13 +105,61 @@ class Watchdog:
             f"{self.where} after step {self.step}; every rank's Python stacks: {stacks.format(r='*')}")
         print(f"hang watchdog: {error}", flush=True)
         try:
-            storage.write_atomic(stacks.format(r=self.rank), f"{error}\n\n{all_stacks()}")
+            storage.write_atomic(stacks.format(r=self.rank), f"{error}\n{json.dumps(self._where())}\n\n{all_stacks()}")
             if self.on_hang:
+                self._name_hung(error, stacks)
                 self.on_hang(error)
             else:
                 time.sleep(HANG_GRACE_S)
         finally:
             os._exit(70)  # EX_SOFTWARE; the main thread cannot be interrupted inside a collective
+
+    def _where(self) -> dict:
+        """This rank's progress, the second line of its stack file: its last finished step, and whether its
+        training loop waits inside torch.distributed (a collective) or is stuck elsewhere (at its innermost frame)."""
+        frame = sys._current_frames().get(self.loop_thread)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        inside = any(f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename for f in stack)
+        at = f"{os.path.basename(stack[-1].filename)}:{stack[-1].lineno} in {stack[-1].name}" if stack else None
+        return {"rank": self.rank, "step": self.step, "in_collective": inside, "at": at}
+
+    def _name_hung(self, error: HangError, stacks: str) -> None:
+        """Rank 0, before it closes the record: waits briefly for the other ranks' stack files (their watchdogs
+        fire within a check interval of its own), then names the rank that hung in `error` (`hung_ranks`)."""
+        if self.world == 1:
+            error.rank = self.rank
+            return
+        if not self.blocking:  # NCCL's collectives and kernels run apart from the Python thread: no verdict
+            error.args = (f"{error}; which rank hung: not told by the stacks under NCCL (each rank's shows where "
+                          "its training loop waits)",)
+            return
+        deadline, states = time.monotonic() + HANG_PEERS_WAIT_S, {}
+        while True:
+            for r in set(range(self.world)) - set(states):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    states[r] = json.loads(storage.read_text(stacks.format(r=r)).split("\n", 2)[1])
+            if len(states) == self.world or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        hung = hung_ranks(list(states.values()))
+        error.rank = hung[0] if len(hung) == 1 else None
+        if hung:
+            first = states[hung[0]]
+            verdict = (f"hung: rank {', '.join(map(str, hung))}; rank {hung[0]} after step {first['step']}, "
+                       f"{'in a collective' if first['in_collective'] else 'outside any collective'} at {first['at']}")
+        else:
+            verdict = "which rank hung: not told by the stacks (every rank waits in a collective after the same step)"
+        if missing := sorted(set(range(self.world)) - set(states)):
+            verdict += f"; no stacks from rank {', '.join(map(str, missing))} within {HANG_PEERS_WAIT_S:g} s"
+        error.args = (f"{error}; {verdict}",)
+
+
+def hung_ranks(states: list[dict]) -> list[int]:
+    """Under collectives that block their caller (gloo), the ranks that hung, from each rank's `Watchdog._where`:
+    those outside any collective (the others wait inside one for them) and those behind the last finished step
+    of the others (no rank can finish a step without them)."""
+    latest = max((s["step"] for s in states), default=0)
+    return sorted(s["rank"] for s in states if not s["in_collective"] or s["step"] < latest)
 
 
 def all_stacks() -> str:

@@ -1,6 +1,7 @@
 """How a run ends in its record (issue 33): the structured error, the driver closing what the workers could not
 (a lost rank 0), and a record left running by a lost driver marked abandoned."""
 
+import contextlib
 import datetime as dt
 import errno
 import json
@@ -74,6 +75,10 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
      ("infrastructure", "nccl", "RuntimeError")),
     (failures.Preempted(14, "/runs/r/checkpoint_00000014", 1), ("infrastructure", "preempted", "Preempted")),
+    (_wrapped(checkpoint_lib.ResumeRefused("checkpoint c: would not continue the same run (train.seed: ...)")),
+     ("config", "resume_refused", "ResumeRefused")),
+    (checkpoint_lib.CheckpointError("run r has checkpoints, but none can be resumed from"),
+     ("unknown", "exception", "CheckpointError")),
     (RuntimeError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!"), ("unknown", "exception", "RuntimeError")),
     (ValueError("boom"), ("unknown", "exception", "ValueError")),
 ])
@@ -143,6 +148,21 @@ def test_a_preempted_record_names_its_checkpoint_step(tmp_path):
             validate(broken)
 
 
+def test_an_nccl_error_names_the_transport_it_failed_on(tmp_path):
+    record = _running_record(tmp_path / "r")
+    record["transport"]["summary"] = "nccl 2.28.9, net efa (aws-ofi-nccl), intra-node nvlink [16 ranks]"
+    nccl = RuntimeError("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+                        "OpType=ALLREDUCE) ran for 600022 milliseconds before timing out.")
+    closed = evidence.finish_record(str(tmp_path / "r"), record, status="failed", error=nccl, rank=3)
+    validate(closed)
+    assert (closed["error"]["reason"], closed["error"]["transport"]) == ("nccl", record["transport"]["summary"])
+    full = evidence.finish_record(str(tmp_path / "r"), record, status="failed", error=_wrapped(
+        OSError(errno.ENOSPC, "No space left on device")), rank=0)
+    assert full["error"]["reason"] == "disk_full" and "transport" not in full["error"]  # not the network's
+    with pytest.raises(jsonschema.ValidationError):
+        validate({**closed, "error": {**closed["error"], "transport": None}})
+
+
 def test_driver_closes_a_running_record_and_keeps_a_closed_one(tmp_path):
     run_dir = tmp_path / "r"
     _running_record(run_dir)
@@ -195,6 +215,10 @@ def _trained(run_dir):
         return []
 
 
+def _last_step(run_dir) -> int:
+    return max((r["step"] for r in _trained(run_dir)), default=0)
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -227,6 +251,46 @@ def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, si
     assert err["step"] >= 2 and err["step"] == record["metrics"]["steps"]
     _wait_for(lambda: _gone(worker), 30, f"worker {worker} to end")  # the workers are stopped, not orphaned
     assert failures.read_heartbeat(run_dir)["final"] is True
+
+
+def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succeeds(tmp_path):
+    # scripts/drills.sh's kill-driver: SIGKILL the driver's process group and its Ray workers (a lost head pod;
+    # the workers would otherwise finish the run without it), then start the same run again.
+    cmd, env, run_dir = _driver(tmp_path, "killed", train={"max_steps": 5000, "warmup_steps": 1},
+                                logging={"every_steps": 1}, checkpoint={"every_steps": 4, "export": False})
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            saved = _wait_for(lambda: checkpoint_lib.latest_complete(run_dir), 400, "the first complete checkpoint")
+            saved_step = int(saved.rsplit("_", 1)[-1])
+            _wait_for(lambda: _last_step(run_dir) > saved_step, 120, "a step after the save")
+            workers = [int(open(os.path.join(run_dir, "workers", "rank0.pid")).read())]
+            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=30)  # reaped: its pid is gone, as a killed pod's is
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert evidence.load_record(run_dir)["status"] == "running"  # nothing could close it
+    killed_after = _last_step(run_dir)
+    resume_at = int(checkpoint_lib.latest_complete(run_dir).rsplit("_", 1)[-1])  # a save may have completed since
+    # The same run again (the same config, only a nearer end): it closes the stale record and resumes.
+    again = subprocess.run([*cmd, "--set", f"train.max_steps={resume_at + 2}"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "heartbeat stale: marked abandoned" in again.stdout, again.stdout[-3000:]
+    record = evidence.load_record(run_dir)
+    validate(record)
+    assert record["status"] == "succeeded" and record["error"] is None, record["error"]
+    assert record["extra"]["resumed_from"]["step"] == resume_at >= saved_step
+    assert record["metrics"]["steps"] == resume_at + 2
+    (abandoned,) = record["previous_attempts"]
+    err = abandoned["error"]
+    assert (abandoned["status"], err["class"], err["reason"], err["exception"], err["rank"]) == \
+        ("abandoned", "unknown", "driver_lost", None, None), abandoned
+    assert "the driver stopped its heartbeat" in err["message"]
+    assert err["step"] == abandoned["steps"] == killed_after and abandoned["ended_at"]  # what it knew, kept
 
 
 def test_sigterm_to_a_worker_saves_at_the_next_step_and_the_retry_resumes_there(tmp_path):
@@ -370,16 +434,35 @@ HANG = {"train": {"max_steps": 8, "warmup_steps": 1, "hang_timeout_s": 5},
         "debug": {"fail_at_step": 6, "fail_rank": 1, "fail_mode": "hang"}}
 
 
-def test_a_hung_rank_fails_the_run_as_a_hang_with_every_ranks_stacks(tmp_path, ray_cluster):
+def test_a_hung_rank_fails_the_run_as_a_hang_naming_it_from_every_ranks_stacks(tmp_path, ray_cluster):
     err, message = _in_process(tmp_path, "hang", workers=2, **HANG)
+    # Rank 0 closes the record; the rank it names is the one that hung: outside any collective, rank 0 inside one.
     assert (err["class"], err["reason"], err["exception"], err["rank"], err["step"]) == \
-        ("infrastructure", "hang", "HangError", 0, 5), err
-    assert message.startswith("run.json: infrastructure/hang at step 5, rank 0: HangError"), message
+        ("infrastructure", "hang", "HangError", 1, 5), err
+    transport = evidence.load_record(str(tmp_path / "runs" / "hang"))["transport"]["summary"]
+    assert err["transport"] == transport and "gloo" in transport, (err, transport)
+    assert message.startswith("run.json: infrastructure/hang at step 5, rank 1: HangError: rank 0: no progress"), \
+        message
     stacks = tmp_path / "runs" / "hang" / "hang"
-    assert f"after step 5; every rank's Python stacks: {stacks}/attempt-1-rank*.txt" in err["message"]
+    assert f"after step 5; every rank's Python stacks: {stacks}/attempt-1-rank*.txt; hung: rank 1; rank 1 after " \
+           "step 5, outside any collective at checkpoint.py:" in err["message"], err["message"]
+    assert err["message"].endswith(" in maybe_fail"), err["message"]
     sleeper, waiter = ((stacks / f"attempt-1-rank{r}.txt").read_text() for r in (1, 0))
     assert "in maybe_fail\n    time.sleep(60)" in sleeper  # rank 1 sleeps before the step's first collective
     assert "in train_step\n    dist.all_reduce(global_targets)" in waiter  # rank 0 waits in it
+    assert json.loads(waiter.split("\n")[1]) | {"at": None} == {"rank": 0, "step": 5, "in_collective": True, "at": None}
+
+
+def test_hung_ranks_are_those_outside_a_collective_or_behind_the_others():
+    from job.watchdog import hung_ranks
+
+    def where(rank, step, inside):
+        return {"rank": rank, "step": step, "in_collective": inside, "at": "x.py:1 in f"}
+
+    assert hung_ranks([where(0, 5, True), where(1, 5, False), where(2, 5, True)]) == [1]
+    assert hung_ranks([where(0, 5, True), where(1, 4, True)]) == [1]  # in another collective (a desync), behind
+    assert hung_ranks([where(0, 5, True), where(1, 5, True)]) == []  # the stacks cannot tell
+    assert hung_ranks([where(0, 5, False), where(1, 5, False)]) == [0, 1]  # each stuck on its own (storage)
 
 
 def test_a_hang_is_retried_from_the_last_checkpoint_and_kept_in_previous_attempts(tmp_path, ray_cluster):
@@ -424,6 +507,37 @@ def test_bad_data_row_after_the_run_directory_exists_is_recorded_by_the_driver(t
     err = record["error"]
     assert (err["class"], err["exception"], err["step"], err["rank"]) == ("data", "DataError", None, None), err
     assert "train.jsonl:51" in err["message"] and record["config"]["data"]["format"] == "text"
+
+
+def test_refused_resumes_are_config_errors_and_a_refusal_before_any_worker_keeps_a_trained_runs_record(
+        tmp_path, ray_cluster, capsys):
+    from job.__main__ import main
+
+    record, error, run_dir = _run(tmp_path, "refused", train={"max_steps": 4, "warmup_steps": 1})
+    assert error is None and record["status"] == "succeeded"
+    path = tmp_path / "refused.yaml"
+    path.write_text(yaml.safe_dump(record["config"]))
+    # The driver refuses before any worker starts. A new run name gets a failed record of the refusal ...
+    assert main(["--config", str(path), "--set", "name=fresh", "--set", f"checkpoint.resume={tmp_path}/none"]) == 1
+    fresh = evidence.load_record(str(tmp_path / "runs" / "fresh"))
+    validate(fresh)
+    err = fresh["error"]
+    assert (fresh["status"], err["class"], err["reason"], err["exception"], err["step"], err["rank"]) == \
+        ("failed", "config", "resume_refused", "ResumeRefused", None, None), err
+    assert f"checkpoint.resume: no checkpoint at {tmp_path}/none" in err["message"] and fresh["ended_at"]
+    # ... while a run that trained keeps its record: nothing of it changed, and the refused config is not its own.
+    assert main(["--config", str(path), "--set", "checkpoint.resume=never", "--set", "train.max_steps=8"]) == 1
+    assert evidence.load_record(run_dir) == record
+    assert "run.json is left as it was" in capsys.readouterr().err
+    # Another seed is refused by the workers, once this attempt's record is open: it fails as a config error,
+    # the earlier attempt kept in previous_attempts.
+    refused, error, _ = _run(tmp_path, "refused", train={"max_steps": 8, "warmup_steps": 1, "seed": 1})
+    err = refused["error"]
+    assert (refused["status"], err["class"], err["reason"], err["exception"], err["rank"]) == \
+        ("failed", "config", "resume_refused", "ResumeRefused", 0), err
+    assert "would not continue the same run (train.seed: checkpoint 0, now 1)" in err["message"], err["message"]
+    assert [(a["status"], a["started_at"]) for a in refused["previous_attempts"]] == \
+        [("succeeded", record["started_at"])]
 
 
 def test_async_saves_first_write_is_not_slower_and_each_completes_within_an_interval(tmp_path, ray_cluster):
