@@ -37,7 +37,9 @@ NICE=(nice -n "${K8S_NICE:-19}")
 log() { echo "k8s-up: $*" >&2; }
 
 # build_one <tool dir> <output> <go build flags and packages>...: go build in the wrapper module, timed, into $BIN; skipped when the
-# binaries were built from the same go.mod/go.sum and flags (a stamp per wrapper), so a version bump rebuilds.
+# binaries were built from the same go.mod/go.sum and flags (a stamp per wrapper), so a version bump rebuilds, and
+# every output is there (a deleted binary is rebuilt). An output ending in / is a directory: `go build -o dir/`
+# writes one binary per package argument (those not starting with - and without spaces), named after its last element.
 # A wrapper whose go.mod replaces a module with vendored source (k8s/third_party/*) has that source checked
 # against its SHA256SUMS first, and the list is part of the stamp.
 build_one() {
@@ -50,7 +52,19 @@ build_one() {
   fi
   sum=$({ cat "$tools/$dir/go.mod" "$tools/$dir/go.sum" ${vendored:+"$tools/$dir/$vendored/SHA256SUMS"}; echo "$*"; } |
         sha256sum | cut -d' ' -f1)
-  [[ -f $stamp && $(cat "$stamp") == "$sum" ]] && return
+  local outputs=() arg
+  if [[ $out == */ ]]; then
+    for arg in "$@"; do [[ $arg == -* || $arg == *' '* ]] || outputs+=("$out${arg##*/}"); done
+    ((${#outputs[@]})) || { log "build_one $dir: no package arguments to name the binaries in $out"; exit 1; }
+  else
+    outputs=("$out")
+  fi
+  if [[ -f $stamp && $(cat "$stamp") == "$sum" ]]; then
+    local missing=()
+    for arg in "${outputs[@]}"; do [[ -x $arg ]] || missing+=("${arg##*/}"); done
+    ((${#missing[@]})) || return 0
+    log "${missing[*]} missing from $BIN although its stamp is current: rebuilding"
+  fi
   mkdir -p "$BIN"
   log "building $out from k8s/tools/$dir ($*)"
   local t0=$SECONDS

@@ -29,6 +29,7 @@ from chart_helpers import REPO, helm, names_field, profile_commands
 from servers import oci_registry, static_http
 from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
+from kubernetes.utils import parse_quantity
 
 from job import __version__ as chart_version
 
@@ -227,9 +228,11 @@ def test_operator_creates_the_cluster_the_chart_asks_for(cluster, gpu_release):
     pods = cluster.pods(namespace, "ray.io/is-ray-node=yes")
     image = f"public.ecr.aws/deep-learning-containers/ray@{DIGEST}"
     run_yaml = run_config(cluster, release, namespace)
+    values = json.loads(cluster.helm("get", "values", release, "--namespace", namespace, "--all", "-o", "json").stdout)
     for pod in pods:
         role = pod_role(pod)
-        assert pod.metadata.labels["team"] == "ml-platform", f"{role}: commonLabels reach the operator's Pods"
+        group = values[role]  # head, worker: the values that sized this Pod (synthetic + eks-g6-efa)
+        assert pod.metadata.labels.get("team") == "ml-platform", f"{role}: commonLabels reach the operator's Pods"
         for container in containers(pod):
             assert container.image == image, f"{role}/{container.name}: the pinned digest"
         (ray,) = [c for c in pod.spec.containers if c.name.startswith("ray-")]
@@ -242,9 +245,13 @@ def test_operator_creates_the_cluster_the_chart_asks_for(cluster, gpu_release):
         assert claims[mount.name] == f"{release}-ray-finetune-runs"
         assert run_yaml["storage_path"] == mount.mount_path, "the run config writes where the claim is mounted"
         limits = ray.resources.limits
+        for quantities in (ray.resources.requests, limits):
+            assert {k: parse_quantity(quantities[k]) for k in ("cpu", "memory") if k in quantities} == {
+                k: parse_quantity(str(group[k])) for k in ("cpu", "memory")}, f"{role}: cpu, memory (requests = limits)"
         added = set((ray.security_context.capabilities.add or ()) if ray.security_context.capabilities else ())
         if role == "worker":
-            assert limits["nvidia.com/gpu"] == "4" and limits["vpc.amazonaws.com/efa"] == "1"
+            assert limits["nvidia.com/gpu"] == str(group["gpus"])
+            assert limits["vpc.amazonaws.com/efa"] == str(values["efa"]["devicesPerPod"])
             assert added == {"IPC_LOCK"}, "EFA pins memory: IPC_LOCK on the GPU workers"
             assert pod.spec.node_selector == GPU_NODE
         else:
@@ -335,8 +342,8 @@ def test_helm_test_pod_checks_the_job_as_its_service_account(cluster, gpu_releas
              "RUN_DIR": str(tmp_path / "run"), "TIMEOUT_SECONDS": "0"})
     assert f"RayJob {job['metadata']['name']}: jobStatus=" in result.stdout, result.stderr
     assert "timed out: the job is not RUNNING" in result.stderr
-    (owner,) = cluster.core.read_namespaced_pod(pod.metadata.name, namespace).metadata.owner_references
-    assert (owner.kind, owner.uid) == ("RayJob", job["metadata"]["uid"])
+    owners = cluster.core.read_namespaced_pod(pod.metadata.name, namespace).metadata.owner_references or ()
+    assert [(o.kind, o.uid) for o in owners] == [("RayJob", job["metadata"]["uid"])], "the test Pod owned by the RayJob"
 
 
 def test_ended_job_deletes_its_cluster_and_keeps_its_record(cluster):
