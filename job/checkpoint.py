@@ -31,6 +31,7 @@ refuse a restart when a listed checkpoint is gone, and prune without knowing whi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -500,6 +501,19 @@ class Checkpointer:
             _prune(self.run_dir, cfg.checkpoint.keep_last, keep_before=step)
         return {"step": step, "uri": uri, "write_s": write_s, "checksum_s": checksum_s}
 
+    def abandon(self) -> None:
+        """On a failed attempt (any rank, not collective): waits for this rank's write in flight, if any, then
+        removes that save's directory, which will never be complete. A full disk often fails the loop's next
+        write (its metrics) before the save's own error is collected (drills.sh disk-full); the partial save
+        would keep the space that the run record needs to say the run failed."""
+        if self.pending is None:
+            return
+        step, uri, future = self.pending
+        self.pending = None
+        with contextlib.suppress(BaseException):  # the loop's own error is the one reported
+            future.result()
+        _remove_partial(uri)
+
     def close(self) -> None:
         """Waits for the write in flight, then ends the writer process, if one was started."""
         from torch.distributed.checkpoint import _async_process_executor as process_executor
@@ -676,17 +690,19 @@ def _map_tensors(obj, fn: Callable[[tuple, torch.Tensor], torch.Tensor], path: t
 
 def _failed_save(uri: str, error: BaseException) -> CheckpointError:
     """The error of a save that failed (a full disk, read-only or lost storage), naming the checkpoint and each
-    rank's cause, once rank 0 removed what was written: a partial checkpoint neither looks like one nor keeps
-    the space the run record needs to say the run failed. (A rank that fails alone leaves the directory to the
-    next save or prune; without `_COMPLETE` no resume uses it, and it is listed as skipped.)"""
-    removed = ""
-    if dist.get_rank() == 0:
-        try:
-            storage.remove(uri)
-            removed = "; the partial checkpoint was removed"
-        except Exception as cleanup:
-            removed = f"; removing the partial checkpoint failed too ({type(cleanup).__name__}: {cleanup})"
-    return CheckpointError(f"checkpoint {uri}: save failed ({_failure_causes(error)}){removed}{_free_space(uri)}")
+    rank's cause, once what was written is removed (by each rank that sees the failure)."""
+    return CheckpointError(f"checkpoint {uri}: save failed ({_failure_causes(error)}){_remove_partial(uri)}"
+                           f"{_free_space(uri)}")
+
+
+def _remove_partial(uri: str) -> str:
+    """Removes a save that will never be complete: a partial checkpoint neither looks like one nor keeps the space
+    the run record needs to say the run failed. Returns what happened, as the end of an error message."""
+    try:
+        storage.remove(uri)
+        return "; the partial checkpoint was removed"
+    except Exception as cleanup:
+        return f"; removing the partial checkpoint failed too ({type(cleanup).__name__}: {cleanup})"
 
 
 def _free_space(uri: str) -> str:

@@ -305,7 +305,8 @@ def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, 
     is left as it is. With `attempt` (`{"started_at": epoch seconds of this driver's start, **start_record's
     config, config_text, run_name, seed}`), only this attempt's record is closed: a run that failed before rank 0
     opened it (no record, or an earlier attempt's, which goes to `previous_attempts`) gets one, opened and closed
-    here, with the driver's own environment. Returns the record written, or None."""
+    here, with the driver's own environment. Returns the record written, or None (also when storage refuses the
+    write, e.g. a full disk: said on stderr, so that the driver still reports the run's own error)."""
     try:
         record = load_record(run_dir)
     except FileNotFoundError:
@@ -313,12 +314,17 @@ def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, 
     except (OSError, ValueError):  # half written or corrupt: not this driver's to judge
         return None
     earlier = record is None or (attempt is not None and not _opened_since(record, attempt["started_at"]))
-    if not earlier and record.get("status") == "running":
-        return finish_record(run_dir, record, status=status, error=error, rank=rank)
-    if attempt is None or not earlier:
+    try:
+        if not earlier and record.get("status") == "running":
+            return finish_record(run_dir, record, status=status, error=error, rank=rank)
+        if attempt is None or not earlier:
+            return None
+        args = {k: v for k, v in attempt.items() if k != "started_at"}
+        return finish_record(run_dir, start_record(run_dir, **args), status=status, error=error, rank=rank)
+    except Exception as e:
+        print(f"{run_dir}/{RUN_RECORD}: cannot close the record as {status}: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
         return None
-    args = {k: v for k, v in attempt.items() if k != "started_at"}
-    return finish_record(run_dir, start_record(run_dir, **args), status=status, error=error, rank=rank)
 
 
 def _opened_since(record: dict, since: float) -> bool:

@@ -53,10 +53,13 @@ def exists(uri: str) -> bool:
 
 
 def remove(uri: str) -> None:
-    """Deletes a file or a directory tree, if present."""
+    """Deletes a file or a directory tree, if present (another process deleting it at the same time is fine)."""
     fs, path = filesystem(uri)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    try:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
 
 
 def read_bytes(uri: str) -> bytes:
@@ -118,7 +121,9 @@ def write_atomic(uri: str, data: bytes | str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a full disk's ENOSPC from write() names no file
+            e.filename = path
         raise

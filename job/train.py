@@ -154,6 +154,9 @@ def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, recor
     try:
         train(run)
         return finish(run, weights, exporting, acceptance)
+    except BaseException:
+        run.checkpointer.abandon()
+        raise
     finally:
         if acceptance is not None:
             acceptance.close()

@@ -350,9 +350,10 @@ def test_a_failure_before_rank0_opens_the_record_gets_one_from_the_driver(tmp_pa
 
 def _run(tmp_path, name, workers=1, max_failures=0, **sections):
     """A tiny synthetic run under Ray in this process: (its record, validated; the driver's error; its directory)."""
+    model = {"train_tokenizer_vocab": None, "overrides": {"num_hidden_layers": 1}, **sections.pop("model", {})}
     raw = tiny_run_config(tmp_path, name=name, scaling={"num_workers": workers, "max_failures": max_failures},
-                          model={"train_tokenizer_vocab": None, "overrides": {"num_hidden_layers": 1}},
-                          data={"format": "synthetic", "train": None}, logging={"every_steps": 1}, **sections)
+                          model=model, data={"format": "synthetic", "train": None}, logging={"every_steps": 1},
+                          **sections)
     raw["checkpoint"] = {"export": False, "every_steps": 4, **raw.get("checkpoint", {})}
     from job import launch
 
@@ -388,6 +389,36 @@ def test_disk_full_during_a_save_ends_failed_infrastructure_disk_full(tmp_path, 
     assert (err["class"], err["reason"], err["exception"], err["rank"], err["step"]) == \
         ("infrastructure", "disk_full", "OSError", 0, 4), err
     assert "checkpoint_00000004" in err["message"] and "No space left on device" in message
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str):
+    """A tmpfs of `size` mounted at `path` (needs root, as CI has; skipped without)."""
+    path.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_really_full_disk_ends_failed_disk_full_with_the_partial_save_removed(tmp_path, ray_cluster):
+    # drills.sh disk-full in CI: run storage of 2 MiB holds one checkpoint, not two. The save of step 8 fills it
+    # while in flight, so the loop's next write (its metrics) fails first; the attempt removes the partial save,
+    # which makes room for its record, and so does the retry, which resumes from step 4 and fails the same way.
+    with small_tmpfs(tmp_path / "runs", "2m"):
+        record, error, run_dir = _run(
+            tmp_path, "full", workers=2, max_failures=1, train={"max_steps": 12, "warmup_steps": 1},
+            model={"overrides": {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+                                 "vocab_size": 512}})
+        err = record["error"]
+        assert (record["status"], err["class"], err["reason"]) == ("failed", "infrastructure", "disk_full"), err
+        assert "No space left on device" in err["message"] and run_dir in err["message"], err
+        assert [a["status"] for a in record["previous_attempts"]] == ["failed"], record["previous_attempts"]
+        assert [(step, complete) for step, _, complete in checkpoint_lib.list_checkpoints(run_dir)] == [(4, True)]
+        assert "disk_full" in error and "No space left on device" in error
 
 
 def test_loss_spike_needs_n_intervals_in_a_row_above_the_median():
