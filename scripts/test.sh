@@ -22,12 +22,20 @@ mkdir -p "$(dirname "$build_log")"
   echo "# control-plane build (background, $build_log): $((SECONDS - t0)) s (exit $status)" ) &
 
 leg "setup (.venv, helm)" bash scripts/setup.sh --dev
+# The image set's environment (mostly downloads and unpacking) is made in the background beside the pinned tests.
+if [[ "${IMAGE_SET:-1}" != 0 ]]; then
+  image_log=$(mktemp "${TMPDIR:-/tmp}/setup-image.XXXXXX.log")
+  ( t0=$SECONDS status=0; bash scripts/setup.sh --image > "$image_log" 2>&1 || status=$?
+    echo "# setup (.venv-image, background): $((SECONDS - t0)) s (exit $status)"; exit $status ) &
+  image_setup=$!
+fi
 # A passing test's tmp_path is deleted when it ends: the checkpoints of the pretrained and resume tests add up to
 # GBs, and pytest keeps three sessions' (CI's disk is shared and ran out once). A failing test's is kept to look at.
 pytest_args=(-q -o tmp_path_retention_policy=failed "$@" tests)
 leg "pinned tests" .venv/bin/python -m pytest --durations=25 "${pytest_args[@]}"  # the slowest tests: where the suite's time goes
 [[ "${IMAGE_SET:-1}" == 0 ]] && exit 0
-leg "setup (.venv-image)" bash scripts/setup.sh --image
+image_setup_done() { wait "$image_setup" || { cat "$image_log"; return 1; }; }
+leg "setup (.venv-image): waiting for it" image_setup_done
 echo "# the image's library versions: $(.venv-image/bin/python -c 'import platform, ray, torch, transformers
 print(f"Python {platform.python_version()}, Ray {ray.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")')"
 status=0
