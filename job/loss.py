@@ -16,9 +16,6 @@ reduction="sum") up to the input dtype's matmul precision.
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -42,12 +39,8 @@ def _loss_and_logit_grad(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
     return loss, grad.scatter(1, target, target_grad)
 
 
-@functools.cache
-def _compiled_loss_and_logit_grad() -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """On GPU, one fused kernel per chunk instead of ~8 passes over the [chunk, V] logits in eager mode. Made on
-    first use, not at import: `torch.compile` imports the compiler (~8 s of a GPU worker's start), which
-    `train.build` imports in a thread beside the model's load instead."""
-    return torch.compile(_loss_and_logit_grad, dynamic=False)
+# On GPU, one fused kernel per chunk instead of ~8 passes over the [chunk, V] logits in eager mode.
+_loss_and_logit_grad_cuda = torch.compile(_loss_and_logit_grad, dynamic=False)
 
 
 def _add_weight_grad(grad_w: Tensor, g: Tensor, h: Tensor) -> Tensor:
@@ -65,7 +58,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, with_grad: bool) -> Tensor:
-        loss_and_grad = _compiled_loss_and_logit_grad() if hidden.is_cuda else _loss_and_logit_grad
+        loss_and_grad = _loss_and_logit_grad_cuda if hidden.is_cuda else _loss_and_logit_grad
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if with_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grad else None

@@ -192,7 +192,6 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     thread on rank 0: gigabytes take seconds)."""
     cfg, run_dir = loop_config.cfg, loop_config.run_dir
     rank, world = dist.get_rank(), dist.get_world_size()
-    compiler_imported = in_background(import_compiler) if cfg.parallel.compile or device.type == "cuda" else dict
     checkpoint_lib.write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
@@ -205,6 +204,8 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     with timeline.phase("resume"):
         resume_from, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
     with timeline.phase("model"):
+        cache_uri = compile_cache.cache_uri(cfg, device) if cfg.parallel.compile else None
+        cache_state = compile_cache.load(cache_uri) if cache_uri else None  # before anything compiles
         with torch.device(device):
             lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
         arch = lm.config
@@ -228,9 +229,6 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
 
     # ---- FSDP2 shards the model across the ranks.
     with timeline.phase("model"):
-        compiler_imported()
-        cache_uri = compile_cache.cache_uri(cfg, device) if cfg.parallel.compile else None
-        cache_state = compile_cache.load(cache_uri) if cache_uri else None  # before anything compiles
         mesh = device_mesh(device.type, world, cfg.parallel.shard_group_size)
         model = parallelize(unsharded, cfg.parallel, mesh, bf16)
         optimizer, schedule = build_optimizer(model, cfg.train)
@@ -613,13 +611,6 @@ def finish_export(run: Run, pending: dict | None, acceptance: export_lib.Accepta
              "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"],
              "timings": accepted["timings"]})
     return accepted
-
-
-def import_compiler() -> None:
-    """Imports what `torch.compile` runs on (Dynamo, Inductor, sympy): ~8 s of a GPU worker's start, done by
-    `build` in a thread while the tokenizer, the model's weights and the data load (docs/benchmarks.md,
-    "Goodput"), and joined before anything compiles: the compile cache's load, `parallelize`, the loss kernel."""
-    import torch._inductor.compile_fx  # noqa: F401
 
 
 def in_background(fn: Callable, *args) -> Callable[[], object]:

@@ -126,12 +126,3 @@ def test_bf16_gradient_reduction_rounds_sums_but_trains_the_same_model(tmp_path)
     assert bf16_norms == pytest.approx(fp32_norms, rel=2e-2)
     assert bf16_norms != pytest.approx(fp32_norms, rel=1e-6)
     assert [r["loss"] for r in bf16] == pytest.approx([r["loss"] for r in fp32], rel=1e-2)
-
-
-def test_the_compiler_is_imported_by_build_not_with_the_training_loop():
-    """Importing the loop leaves out the compiler (~8 s of a GPU worker's start): `build` imports it in a thread
-    beside the model's load (`train.import_compiler`)."""
-    probe = ("import sys, job.train; print('torch._inductor.compile_fx' in sys.modules); "
-             "job.train.import_compiler(); print('torch._inductor.compile_fx' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "True"], out.stdout
