@@ -508,7 +508,7 @@ class Checkpointer:
         would keep the space that the run record needs to say the run failed."""
         if self.pending is None:
             return
-        step, uri, future = self.pending
+        _, uri, future = self.pending
         self.pending = None
         with contextlib.suppress(BaseException):  # the loop's own error is the one reported
             future.result()
