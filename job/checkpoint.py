@@ -35,14 +35,10 @@ import contextlib
 import errno
 import io
 import json
-import math
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -51,7 +47,6 @@ import torch
 import torch.distributed as dist
 
 from . import config as config_lib
-from . import data as data_lib
 from . import storage
 
 if TYPE_CHECKING:
