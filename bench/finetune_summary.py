@@ -61,7 +61,8 @@ def main(log_path: str, run_dir: str) -> int:
     for r in rows:
         if r["kind"] == "checkpoint":
             print(f"checkpoint {r['step']}: training blocked {r['blocking_s']:.2f} s, write {r['write_s']:.1f} s "
-                  f"(checksums {r.get('checksum_s', 0):.1f} s)")
+                  f"(checksums {r.get('checksum_s', 0):.1f} s), staged on {(r.get('staging') or {}).get('on', 'host')}"
+                  f"{', host buffers %.1f s' % r['staging']['allocate_s'] if 'allocate_s' in (r.get('staging') or {}) else ''}")
         if r["kind"] == "export":
             timings = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("timings") or {}).items())
             print(f"export: reloaded loss {r['eval_loss']:.5f} vs {r['reference_eval_loss']:.5f} "

@@ -39,6 +39,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -350,8 +351,10 @@ def due(step: int, cfg: config_lib.RunConfig) -> bool:
 class Checkpointer:
     """Saves checkpoints while training goes on (collective: every rank makes the same calls in the same order).
 
-    `save(step)` copies this rank's shards of the model and optimizer state into host memory (`HostStager`:
-    allocated before the first step, reused, pinned on GPU), which is all training waits for.
+    `save(step)` copies this rank's shards of the model and optimizer state where training cannot change them,
+    which is all training waits for: on the GPU itself when it has room for the copy beside training's peak
+    (`choose_staging`), the write then copying it to host memory beside the steps; else into host memory
+    (`HostStager`: pinned on GPU, allocated at the first save, reused).
     The write (DCP shards, over a gloo group of its own so that the training's collectives keep the default
     group to themselves) runs in a writer process per worker that reads the staged state from shared memory,
     or in a thread (`checkpoint.async_writer`, chosen in `prepare`); a background thread then writes this
@@ -373,24 +376,22 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self.stager: HostStager | None = None
         self.writer: dict = {}  # {"writer": "process" | "thread", "reason": ...}, chosen by `prepare`
+        self.staging: dict | None = None  # {"on": "device" | "host", ...}, chosen by the first save
+        self.device_copy = None  # the save's copy on the device, until the write has it in host memory
+        self.device_copy_released = threading.Event()
+        self.device_copy_released.set()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write")
         self.pending = None  # (step, uri, future of the write, returning its seconds)
         self.writer_start = None  # future of the writer process's start (`prepare`), until the first save
         self.arch: dict = {}
 
     def prepare(self, model: CausalLMWithLoss) -> dict:
-        """Chooses the writer (collective) and allocates the host buffers of the first save; returns the choice,
-        `self.writer`, with the seconds the allocation took. Call before the first step, with nothing else
-        running: page-locking ~19 GB takes seconds and holds up whatever runs beside it, the CUDA calls of the
-        steps (run 35: 30-39k tokens/s instead of 47.5k) or the first step's compilation (run 37: +9.5 s)."""
-        layout = first_save_layout(model)
-        self.writer = choose_writer(self.cfg.checkpoint.async_writer, layout, self.group)
-        self.stager = HostStager(pin=self.device.type == "cuda", shared=self.writer["writer"] == "process")
+        """Chooses the writer (collective) and starts the writer process, before the first step; returns the
+        choice, `self.writer`."""
+        self.writer = choose_writer(self.cfg.checkpoint.async_writer, first_save_layout(model), self.group)
         if self.writer["writer"] == "process":
             self._start_writer_process()
-        start = time.perf_counter()
-        self.stager.allocate(layout)
-        return {**self.writer, "allocate_s": round(time.perf_counter() - start, 3)}
+        return self.writer
 
     def _start_writer_process(self) -> None:
         """Starts DCP's writer process now, in the write thread, while the first steps run, instead of in the
@@ -413,12 +414,14 @@ class Checkpointer:
 
         self.writer_start = self.executor.submit(start)
 
-    def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
-        """Starts saving `step`; returns once the state is staged in host memory."""
+    def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer, last: bool = False) -> None:
+        """Starts saving `step`; returns once the state is copied, on the device or into host memory. `last`: the
+        state will not change any more (the run's last step), so staging on the device needs no copy: the write
+        copies the state into host memory from where it is."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.finish()
-        if self.stager is None:
+        if not self.writer:
             self.prepare(model)
         if self.writer_start is not None:  # training waits here, at most once, rather than the first write
             self.writer_start.exception()  # a failed start is retried, and raises, in the write
@@ -429,19 +432,64 @@ class Checkpointer:
             storage.remove(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        staged = self.stager.stage({"model": model_sd, "optim": optim_sd})
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.staging is None:
+            self.staging = self._choose_staging(state)
+        copied = None
+        if self.staging["on"] == "device":
+            self.device_copy = state if last else _map_tensors(state, lambda _, tensor: tensor.detach().clone())
+            if not last:
+                self.device_copy_released.clear()
+            if self.device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record()
+            staged = None
+        else:
+            staged = self.stager.stage(state)
         rng = _torch_bytes(_rng_state())
         self.arch = _arch(model.lm.config)
-        self.pending = (step, uri, self.executor.submit(self._write, staged, step, uri, rng, rank, time.perf_counter()))
+        self.pending = (step, uri, self.executor.submit(self._write, staged, copied, step, uri, rng, rank,
+                                                        time.perf_counter()))
         if not self.cfg.checkpoint.async_save:
             self.finish()
 
-    def _write(self, staged: dict, step: int, uri: str, rng: bytes, rank: int, start: float) -> tuple[float, float]:
-        """Writes this rank's part of checkpoint `uri`; returns (seconds since the save was staged at `start`, a
-        wait for the writer process's start included; of them checksumming)."""
+    def _choose_staging(self, state: dict) -> dict:
+        """Where this rank's saves copy the state first (`choose_staging`), decided at the first save, when
+        training's peak memory is known, and kept: later saves would count the copy itself in that peak. Pinned
+        host buffers, when the saves copy into them, are allocated here, with training waiting (~10 s for 19 GB;
+        page-locking beside running steps slowed them, runs 35-37); unpinned ones, for a copy on the device,
+        by the write that fills them."""
+        need = sum(shape.numel() * dtype.itemsize for shape, dtype in tensor_layout(state).values())
+        staging = choose_staging(self.device, need)
+        on_device = staging["on"] == "device"
+        self.stager = HostStager(pin=self.device.type == "cuda" and not on_device,
+                                 shared=self.writer["writer"] == "process")
+        if not on_device:
+            start = time.perf_counter()
+            self.stager.allocate(tensor_layout(state))
+            staging["allocate_s"] = round(time.perf_counter() - start, 3)
+        return staging
+
+    def wait_device_copy(self) -> None:
+        """Waits until the save in flight no longer holds its copy on the device: before work that may need
+        more device memory than training's peak (the task evaluations, the export)."""
+        self.device_copy_released.wait()
+
+    def _write(self, staged: dict | None, copied: torch.cuda.Event | None, step: int, uri: str, rng: bytes,
+               rank: int, start: float) -> tuple[float, float]:
+        """Writes this rank's part of checkpoint `uri` (`staged`, or the save's copy on the device, which is first
+        copied into host memory here, once `copied` says it is made); returns (seconds since the save was staged at
+        `start`, a wait for the writer process's start included; of them checksumming)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+        if staged is None:
+            try:  # on this worker's device: a thread's current CUDA device is the first one
+                with torch.cuda.device(self.device) if copied is not None else contextlib.nullcontext():
+                    staged = self.stager.stage(self.device_copy, after=copied)
+            finally:
+                self.device_copy = None
+                self.device_copy_released.set()
         # The writer process, even for the last save, after which no step would suffer a writer thread's hold on
         # the interpreter: the evaluations and the export would (run 25: the final held-out pass took 21.8 s
         # beside a writer thread, 3.1 s beside the process).
@@ -462,7 +510,8 @@ class Checkpointer:
 
     def finish(self) -> dict | None:
         """Completes the save in flight, if any (waiting for its writes); returns `{step, uri, write_s,
-        checksum_s}` (this rank's seconds writing, checksums included, and checksumming)."""
+        checksum_s, staging}` (this rank's seconds writing, checksums included, and checksumming; where its
+        saves stage, `choose_staging`)."""
         if self.pending is None:
             return None
         step, uri, future = self.pending
@@ -494,7 +543,7 @@ class Checkpointer:
         dist.barrier()
         if dist.get_rank() == 0:
             _prune(self.run_dir, cfg.checkpoint.keep_last, keep_before=step)
-        return {"step": step, "uri": uri, "write_s": write_s, "checksum_s": checksum_s}
+        return {"step": step, "uri": uri, "write_s": write_s, "checksum_s": checksum_s, "staging": self.staging}
 
     def abandon(self) -> None:
         """On a failed attempt (any rank, not collective): waits for this rank's write in flight, if any, then
@@ -618,13 +667,34 @@ def choose_writer(setting: str, layout: dict, group: dist.ProcessGroup) -> dict:
     return {"writer": "thread", "reason": f"checkpoint.async_writer: auto, and {'; '.join(problems)}", "bytes": need}
 
 
+STAGING_HEADROOM = 0.05
+"""Share of the device's memory a save's copy on the device leaves free beside training's peak."""
+
+
+def choose_staging(device: torch.device, need: int) -> dict:
+    """`{"on": "device" | "host", "bytes", ...}`: where a save first copies this rank's `need` bytes of state.
+
+    On the device when it has room beside training's peak (`max_memory_reserved`), the other processes on it
+    and `STAGING_HEADROOM`: a copy there should take ~10 ms at the device's bandwidth (not yet measured) where
+    one into pinned host memory took 0.45 s, and the pinned buffers' allocation ~10 s per 19 GB
+    (docs/benchmarks.md, "Goodput"); the write then copies it to host memory beside the steps, on a stream of
+    its own. Else in host memory, as on CPU."""
+    if device.type != "cuda":
+        return {"on": "host", "bytes": need, "reason": "not a GPU"}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    elsewhere = total - free - reserved  # other processes on the device, and the CUDA context
+    spare = int(total * (1 - STAGING_HEADROOM)) - elsewhere - torch.cuda.max_memory_reserved(device)
+    return {"on": "device" if need <= spare else "host", "bytes": need, "spare_bytes": spare}
+
+
 class HostStager:
     """Copies a state dict's tensors (DTensors: their local shards) into host buffers kept from save to save, so
     training may go on changing the originals while the writer writes the copy.
 
-    Buffers are keyed by their place in the state dict, pinned on GPU runs (fast, asynchronous device-to-host
-    copies, waited for once at the end) and, for the writer process, in shared memory. Everything that is not
-    a tensor is deep-copied.
+    Buffers are keyed by their place in the state dict, pinned when the saves copy into them from the GPU (fast,
+    asynchronous device-to-host copies, waited for once at the end) and, for the writer process, in shared
+    memory. Everything that is not a tensor is deep-copied.
     """
 
     def __init__(self, pin: bool, shared: bool = False):
@@ -635,10 +705,19 @@ class HostStager:
         """Allocates the buffers of `layout` (`tensor_layout`) ahead of the first `stage`."""
         self.buffers.update({path: self._allocate(shape, dtype) for path, (shape, dtype) in layout.items()})
 
-    def stage(self, state_dict: dict) -> dict:
-        staged = _map_tensors(state_dict, self._buffer)
-        if self.pin:
-            torch.cuda.synchronize()
+    def stage(self, state_dict: dict, after: torch.cuda.Event | None = None) -> dict:
+        """The staged copy of `state_dict`. `after`: the state is a save's copy on the GPU, made once that event
+        has passed; it is copied on a stream of its own (in the write thread, beside the training's stream)."""
+        if after is None:
+            staged = _map_tensors(state_dict, self._buffer)
+            if self.pin:
+                torch.cuda.synchronize()
+            return staged
+        stream = torch.cuda.Stream()
+        stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            staged = _map_tensors(state_dict, self._buffer)
+        stream.synchronize()
         return staged
 
     def _buffer(self, path: tuple, tensor: torch.Tensor) -> torch.Tensor:

@@ -278,7 +278,7 @@ def train(run: Run) -> None:
     """The loop, from the step after the resume point to `train.max_steps`: one optimizer step per iteration;
     logs, evaluations and checkpoints at their intervals (each timed as its own phase, the rest is training)."""
     cfg, device, world = run.cfg, run.device, run.world
-    with run.timeline.phase("checkpoint"):  # the first save's host buffers, before anything runs beside them
+    with run.timeline.phase("checkpoint"):  # the writer, chosen and started before the steps it runs beside
         run.log({"kind": "checkpoint_writer", "step": run.start_step, **run.checkpointer.prepare(run.model)})
     if run.start_step == 0:  # the untrained baselines that later evaluations are read against
         baseline = baseline_at_step_0(run) if cfg.eval.task and cfg.eval.task_at_start else None
@@ -345,7 +345,7 @@ def train(run: Run) -> None:
             with run.timeline.phase("checkpoint"):
                 start = time.perf_counter()
                 complete_checkpoint(run)  # the previous save, if still writing: training waits for it
-                run.checkpointer.save(step, run.model, run.optimizer)
+                run.checkpointer.save(step, run.model, run.optimizer, last=step == cfg.train.max_steps)
                 run.timeline.checkpoint_blocking_s.append(time.perf_counter() - start)
                 if signalled and step < cfg.train.max_steps:  # in the grace period: the save completes, the attempt ends
                     complete_checkpoint(run)
@@ -441,6 +441,8 @@ def log_eval(run: Run, step: int) -> float | None:
 
 def run_task_eval(run: Run, step: int, lm: PreTrainedModel | None = None) -> None:
     """Task evaluation at `step` on an unsharded copy of the model (`lm`, or gathered here)."""
+    with run.timeline.phase("checkpoint"):
+        run.checkpointer.wait_device_copy()  # the decoding's cache may need the room a save's copy holds
     with run.timeline.phase("task_eval"):
         start = time.perf_counter()
         lm = lm if lm is not None else unsharded_copy(run)
@@ -537,7 +539,8 @@ def complete_checkpoint(run: Run) -> None:
     if done is not None:
         run.latest_checkpoint = done["uri"]
         run.log({"kind": "checkpoint", "step": done["step"], "dir": done["uri"], "write_s": done["write_s"],
-                 "checksum_s": done["checksum_s"], "blocking_s": run.timeline.checkpoint_blocking_s[-1]})
+                 "checksum_s": done["checksum_s"], "blocking_s": run.timeline.checkpoint_blocking_s[-1],
+                 "staging": done["staging"]})
 
 
 def finish(run: Run, weights: Callable[[], dict], exporting: bool,
@@ -553,6 +556,8 @@ def finish(run: Run, weights: Callable[[], dict], exporting: bool,
         task_due = cfg.eval.task and run.start_step < cfg.train.max_steps  # a re-run of a finished run has it
         lm = pending = None
         if task_due or exporting or cfg.eval.sample_prompt is not None:
+            with run.timeline.phase("checkpoint"):
+                run.checkpointer.wait_device_copy()  # the model's copy and the decoding may need its room
             with run.timeline.phase("export"):
                 lm = unsharded_copy(run)
                 if exporting:  # written now and checked in the acceptance process while the task evaluation runs

@@ -570,12 +570,16 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
     checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     writer = checkpointer.prepare(model)  # before the first step, as the loop does
-    assert writer["writer"] == "process" and writer["bytes"] > 0 and writer["allocate_s"] >= 0
+    assert writer["writer"] == "process" and writer["bytes"] > 0
+    model(**_batch())[0].backward()
+    optimizer.step()
+    checkpointer.save(2, model, optimizer)
+    assert checkpointer.finish()["staging"]["on"] == "host" and checkpointer.staging["allocate_s"] >= 0
     allocated = {path: id(buffer) for path, buffer in checkpointer.stager.buffers.items()}
     model(**_batch())[0].backward()
     optimizer.step()
     checkpointer.save(4, model, optimizer)
-    # Everything staged went into the buffers allocated before the step, all in shared memory.
+    # Every save staged into the buffers the first one allocated, all in shared memory.
     assert {path: id(buffer) for path, buffer in checkpointer.stager.buffers.items()} == allocated
     assert all(b.is_shared() for b in checkpointer.stager.buffers.values())
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -595,6 +599,70 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
     assert checkpoint_lib.restore(uri, fresh_model, fresh_optimizer, cfg, identity)["step"] == 4
     for key, value in fresh_model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fsdp", ["always", "auto"])
+def test_a_save_staged_on_the_device_holds_its_steps_state_while_training_goes_on(tmp_path, single_process,
+                                                                                  monkeypatch, fsdp):
+    """Staging on the device (`choose_staging` says there is room: forced here, on CPU): the save copies the
+    state and returns; the write, which copies that copy into host memory, is held until training has taken
+    another step that changes every weight in place. The checkpoint still restores the saved step's state bit
+    for bit, and the copy is released once the write has it."""
+    import threading
+
+    cfg = _config(tmp_path, "dev", scaling={"num_workers": 1},
+                  checkpoint={"async_save": True, "async_writer": "thread"})
+    run_dir = str(tmp_path / "runs" / "dev")
+    model, optimizer = _sharded_model(cfg, fsdp)
+    identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
+    monkeypatch.setattr(checkpoint_lib, "choose_staging", lambda device, need: {"on": "device", "bytes": need})
+    stepped = threading.Event()
+    real_stage = checkpoint_lib.HostStager.stage
+
+    def stage_after_the_next_step(self, state_dict, after=None):
+        assert stepped.wait(timeout=60)
+        return real_stage(self, state_dict, after)
+
+    monkeypatch.setattr(checkpoint_lib.HostStager, "stage", stage_after_the_next_step)
+    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    model(**_batch())[0].backward()
+    optimizer.step()
+    checkpointer.save(4, model, optimizer)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert not checkpointer.device_copy_released.is_set()
+    model(**_batch())[0].backward()
+    optimizer.step()  # in place, while the save's write waits
+    changed = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert all(not torch.equal(saved[k], changed[k]) for k in saved if "weight" in k)
+    stepped.set()
+    checkpointer.wait_device_copy()
+    assert checkpointer.device_copy is None
+    assert checkpointer.finish()["staging"] == {"on": "device", "bytes": checkpointer.staging["bytes"]}
+    checkpointer.save(8, model, optimizer, last=True)  # the run's last step: the state itself, no copy held
+    assert checkpointer.device_copy_released.is_set()
+    checkpointer.finish()
+    checkpointer.close()
+    for step, expected in ((4, saved), (8, changed)):
+        fresh_model, fresh_optimizer = _sharded_model(_config(tmp_path, "dev", scaling={"num_workers": 1},
+                                                              train={"seed": 5}), fsdp)
+        fresh_model(**_batch())[0].backward()
+        fresh_optimizer.step()
+        checkpoint_lib.restore(f"{run_dir}/checkpoint_{step:08d}", fresh_model, fresh_optimizer, cfg, identity)
+        for key, value in fresh_model.state_dict().items():
+            torch.testing.assert_close(value, expected[key], rtol=0, atol=0)
+
+
+def test_saves_stage_on_the_device_only_with_room_beside_the_training_peak(monkeypatch):
+    """The room is the device's memory less `STAGING_HEADROOM`, what other processes hold and training's peak;
+    on CPU a save always stages in host memory."""
+    gb = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * gb, 100 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 50 * gb)  # 10 GB held elsewhere
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 55 * gb)
+    gpu = torch.device("cuda", 0)
+    assert checkpoint_lib.choose_staging(gpu, 30 * gb) == {"on": "device", "bytes": 30 * gb, "spare_bytes": 30 * gb}
+    assert checkpoint_lib.choose_staging(gpu, 30 * gb + 1)["on"] == "host"
+    assert checkpoint_lib.choose_staging(torch.device("cpu"), 1)["on"] == "host"
 
 
 @pytest.mark.parametrize("fsdp", ["always", "auto"])
