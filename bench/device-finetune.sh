@@ -13,6 +13,8 @@
 #                                               Env: NAME=gsm8k (the run's name), KEEP_RUNS=1 keeps the other runs
 #                                               and the runs' compile cache (/tmp/runs/.compile_cache), FRESH_LOCAL_CACHE=1
 #                                               empties the local compile caches first (a fresh pod's view).
+#                                               JOB_TREE=DIR runs the job package exported there from another
+#                                               commit (an A/B on one machine, e.g. .devdata/trees/before).
 #                                               Ray Train's startup, actor by actor, goes to ray-startup.txt
 #                                               (bench/ray_actor_timeline.py)
 #   bench/device-finetune.sh task-eval [ARGS]   bench/task_eval.py on that run config (one table)
@@ -48,7 +50,10 @@ case "${1:-}" in
     name=${NAME:-gsm8k}
     if [[ ${KEEP_RUNS:-0} == 1 ]]; then rm -rf "/tmp/runs/$name"; else rm -rf /tmp/runs; fi
     [[ ${FRESH_LOCAL_CACHE:-0} == 1 ]] && rm -rf /tmp/torchinductor_* ~/.triton/cache
-    python3 -m job --config /tmp/run.yaml --set storage_path=/tmp/runs --set "name=$name" "${@:2}" >"$out/run.log" 2>&1
+    tree=${JOB_TREE:-.}  # another commit's job package (`git archive COMMIT job | tar -x -C DIR`) runs from DIR
+    [[ $tree != . ]] && ln -sfn "$PWD/.devdata" "$tree/.devdata"  # the run config's data paths are relative
+    (cd "$tree" && python3 -m job --config /tmp/run.yaml --set storage_path=/tmp/runs --set "name=$name" "${@:2}") \
+      >"$out/run.log" 2>&1
     echo "exit $?"
     cp /tmp/run.yaml "/tmp/runs/$name/run.json" "/tmp/runs/$name/metrics.jsonl" "$out/"
     cp "/tmp/runs/$name/export/acceptance.json" "$out/" 2>/dev/null
