@@ -435,19 +435,18 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         if self.staging is None:
             self.staging = self._choose_staging(state)
-        copied = None
+        rng = _torch_bytes(_rng_state())
+        self.arch = _arch(model.lm.config)
+        staged = copied = None
         if self.staging["on"] == "device":
             self.device_copy = state if last else _map_tensors(state, lambda _, tensor: tensor.detach().clone())
-            if not last:
-                self.device_copy_released.clear()
             if self.device.type == "cuda":
                 copied = torch.cuda.Event()
                 copied.record()
-            staged = None
+            if not last:  # set again by the write, once the copy is in host memory
+                self.device_copy_released.clear()
         else:
             staged = self.stager.stage(state)
-        rng = _torch_bytes(_rng_state())
-        self.arch = _arch(model.lm.config)
         self.pending = (step, uri, self.executor.submit(self._write, staged, copied, step, uri, rng, rank,
                                                         time.perf_counter()))
         if not self.cfg.checkpoint.async_save:
