@@ -60,9 +60,10 @@ def main(log_path: str, run_dir: str) -> int:
               + ", ".join(f"{s}: {v}" for s, v in list(twice.items())[:4]))
     for r in rows:
         if r["kind"] == "checkpoint":
+            staging = r.get("staging") or {"on": "host"}  # records from before staging on the device
+            buffers = f", host buffers {staging['allocate_s']:.1f} s" if "allocate_s" in staging else ""
             print(f"checkpoint {r['step']}: training blocked {r['blocking_s']:.2f} s, write {r['write_s']:.1f} s "
-                  f"(checksums {r.get('checksum_s', 0):.1f} s), staged on {(r.get('staging') or {}).get('on', 'host')}"
-                  f"{', host buffers %.1f s' % r['staging']['allocate_s'] if 'allocate_s' in (r.get('staging') or {}) else ''}")
+                  f"(checksums {r.get('checksum_s', 0):.1f} s), staged on {staging['on']}{buffers}")
         if r["kind"] == "export":
             timings = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("timings") or {}).items())
             print(f"export: reloaded loss {r['eval_loss']:.5f} vs {r['reference_eval_loss']:.5f} "

@@ -458,14 +458,14 @@ class Checkpointer:
         host buffers, when the saves copy into them, are allocated here, with training waiting (~10 s for 19 GB;
         page-locking beside running steps slowed them, runs 35-37); unpinned ones, for a copy on the device,
         by the write that fills them."""
-        need = sum(shape.numel() * dtype.itemsize for shape, dtype in tensor_layout(state).values())
-        staging = choose_staging(self.device, need)
+        layout = tensor_layout(state)
+        staging = choose_staging(self.device, layout_bytes(layout))
         on_device = staging["on"] == "device"
         self.stager = HostStager(pin=self.device.type == "cuda" and not on_device,
                                  shared=self.writer["writer"] == "process")
         if not on_device:
             start = time.perf_counter()
-            self.stager.allocate(tensor_layout(state))
+            self.stager.allocate(layout)
             staging["allocate_s"] = round(time.perf_counter() - start, 3)
         return staging
 
@@ -599,6 +599,11 @@ def tensor_layout(state_dict: dict) -> dict[tuple, tuple[torch.Size, torch.dtype
     return layout
 
 
+def layout_bytes(layout: dict[tuple, tuple[torch.Size, torch.dtype]]) -> int:
+    """How many bytes the tensors of `layout` (`tensor_layout`) hold."""
+    return sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
+
+
 def first_save_layout(model: CausalLMWithLoss) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
     """What a save stages (`tensor_layout` of the model's and the optimizer's state dicts), known before the first
     step: the model's state dict, and per parameter the state AdamW keeps once it has stepped (`step`, and
@@ -631,7 +636,7 @@ def choose_writer(setting: str, layout: dict, group: dist.ProcessGroup) -> dict:
     import resource
     import socket
 
-    need = sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
+    need = layout_bytes(layout)
     if setting == "thread":
         return {"writer": "thread", "reason": "checkpoint.async_writer: thread", "bytes": need}
     try:
