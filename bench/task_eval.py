@@ -9,7 +9,8 @@
 `values/gsm8k.yaml` as rendered (bench/device-finetune.sh writes it to /tmp/run.yaml). Decode paths
 (`DECODE_PATHS`): `stock` is Transformers' `generate` on its SDPA (before 5.24 it repeats every key/value head
 per query head when a mask is given), `generate` the same with `generate.sdpa_grouped_decode`, `eager` and
-`graph` job/generate.py's loop without and with CUDA graphs. Columns: seconds, exact match, items, decode
+`graph` job/generate.py's loop without and with CUDA graphs, `graph-all-rows` the latter with every row
+decoded to the end (before rows that ended left the steps). Columns: seconds, exact match, items, decode
 steps, and how many generations differ from the first path's. `--profile-steps K` then profiles K decode steps of the full batch
 and prints the kernels that take the time, and the prefill and per-step time.
 """
@@ -60,6 +61,7 @@ DECODE_PATHS = {
     "generate": transformers_generate(grouped=True),  # with `sdpa_grouped_decode` (runs 15-18)
     "eager": lambda *args: generate.greedy_generate(*args, cuda_graph=False),  # job/generate.py, no CUDA graph
     "graph": generate.greedy_generate,  # job/generate.py as task evaluation runs it
+    "graph-all-rows": lambda *args: generate.greedy_generate(*args, drop_ended_below=0),  # every row to the end
 }
 
 

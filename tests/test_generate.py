@@ -162,3 +162,47 @@ def test_grouped_decode_attention_is_repeated_key_value_attention_and_decode_ste
     G.greedy_generate(lm, ids, pad, 12, eos_token_id=None, pad_token_id=0)
     assert lm.config._attn_implementation == G.GROUPED_DECODE
     assert grouped_steps.count(True) == 11 * lm.config.num_hidden_layers  # every decode step after the prefill
+
+
+
+def test_rows_that_ended_leave_the_steps_and_the_step_is_captured_again(monkeypatch):
+    """Rows ending at different steps are dropped (their cache rows too) once few enough are still going; each
+    smaller batch runs one eager step and is then captured again, and the replays run the batch last captured. The
+    output is still `generate`'s, token for token, the dropped rows padded after their EOS."""
+    monkeypatch.setattr(G, "CHECK_EVERY", 2)
+    lm = tiny_lm()
+    torch.manual_seed(2)
+    ids = torch.randint(3, 64, (12, 6))
+    mask = torch.ones_like(ids)
+    mask[::3, :4] = 0  # some left-padded rows
+    ids = ids.masked_fill(mask == 0, 0)
+    every, _ = eos_candidates(reference(lm, ids, mask, 40, eos=None), ids.shape[1])
+    want = reference(lm, ids, mask, 40, eos=every)
+    G.use_grouped_decode(lm)
+    decoder = G.StaticDecoder(lm, ids, mask, 40, eos_token_id=every, pad_token_id=0)
+    events = []  # ("eager" | "capture" | "replay" | "drop", rows decoded)
+    step, drop = decoder.step, decoder.drop_ended
+
+    class Replayed:
+        def replay(self):
+            events.append(("replay", decoder.rows.numel()))
+            step()
+
+    decoder.step = lambda: (events.append(("eager", decoder.rows.numel())), step())
+    decoder.drop_ended = lambda: (drop(), events.append(("drop", decoder.rows.numel())))
+    decoder.capture = lambda: (events.append(("capture", decoder.rows.numel())), (Replayed(), "cuda_graph"))[1]
+    assert decoder.run(cuda_graph=True) == "cuda_graph"
+
+    assert torch.equal(torch.cat([ids, decoder.new_tokens()], 1), want)
+    batches = [n for kind, n in events if kind == "drop"]
+    assert len(batches) >= 2 and batches == sorted(batches, reverse=True) and batches[-1] < 12
+    assert all(layer.keys.shape[0] == batches[-1] for layer in decoder.cache.layers)
+    captured = None
+    for i, (kind, n) in enumerate(events):
+        if kind == "drop":  # the next step runs eagerly on the smaller batch, the one after is a new capture
+            assert events[i + 1] == ("eager", n) and events[i + 2] == ("capture", n)
+            captured = None
+        elif kind == "capture":
+            captured = n
+        elif kind == "replay":
+            assert n == captured
