@@ -6,7 +6,7 @@
         [--max-new 256] [--profile-steps 8]
 
 `--lengths`: a JSON list of prompt lengths in tokens (e.g. the GSM8K test questions as task evaluation formats
-them; without it every prompt is 193 tokens). Rows, all in one process: ms per decode step (replayed as a CUDA
+them: bench/task_lengths.py writes it and `--ends`'s file; without it every prompt is 193 tokens). Rows, all in one process: ms per decode step (replayed as a CUDA
 graph) for the batch as given, half of it (does a step's time follow the rows?), the prompts cut to the median
 (does it follow the cache's length?) and the full batch on each of SDPA's backends. `--ends`: a JSON list of
 generation lengths (e.g. the reference answers' tokens); random weights never produce EOS, so each row is ended
