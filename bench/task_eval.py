@@ -132,8 +132,11 @@ def profile(lm, tokenizer, items, eval_cfg, device, steps: int) -> dict:
         return generate.greedy_generate(lm, ids, mask, n, eos_token_id=None, pad_token_id=evaluate.pad_id(tokenizer))
 
     prefill, _ = synchronized_seconds(lambda: decode(1), device)
-    total, _ = synchronized_seconds(lambda: decode(1 + steps), device)
-    per_step = (total - prefill) / steps
+    # Two calls with the same warm-up steps and capture, `steps` replays apart (one call less its prefill also
+    # counted the warm-up and the capture: run 22's "32 ms", run 51).
+    shorter, _ = synchronized_seconds(lambda: decode(1 + steps), device)
+    longer, _ = synchronized_seconds(lambda: decode(1 + 2 * steps), device)
+    per_step = (longer - shorter) / steps
     print(f"\nbatch {ids.shape[0]} x prompt width {ids.shape[1]}: prefill {prefill:.2f} s, "
           f"decode step {1000 * per_step:.1f} ms")
     activities = [torch.profiler.ProfilerActivity.CPU] + (
