@@ -3,7 +3,7 @@
 (no pretrained weights or tokenizer needed), left-padded prompts of the given lengths, one table.
 
     python bench/decode_step.py [--lengths PROMPTS.json] [--ends ANSWERS.json] [--batch 1319] [--steps 64]
-        [--max-new 256] [--profile-steps 8]
+        [--max-new 256] [--profile-steps 8] [--compiled]
 
 `--lengths`: a JSON list of prompt lengths in tokens (e.g. the GSM8K test questions as task evaluation formats
 them: bench/task_lengths.py writes it and `--ends`'s file; without it every prompt is 193 tokens). Rows, all in one process: ms per decode step (replayed as a CUDA
@@ -12,6 +12,8 @@ graph) for the batch as given, half of it (does a step's time follow the rows?),
 generation lengths (e.g. the reference answers' tokens); random weights never produce EOS, so each row is ended
 after its length instead, and a whole decode of `--max-new` tokens is timed with every row decoded to the end and
 with ended rows dropped (job/generate.py `DROP_ENDED_BELOW`). Then the kernels of `--profile-steps` eager steps.
+`--compiled`: last, the batch as given with its steps run by the model compiled whole (`torch.compile`, one graph
+for the 28 layers; the prefill eager), the first call's compiling time beside it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--compiled", action="store_true")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -88,9 +91,14 @@ def main() -> int:
     generate.use_grouped_decode(lm)
     eos = config.vocab_size - 1
 
-    def steps_of(ns: list[int], backend: SDPBackend | None = None) -> tuple[float, float, int]:
+    def steps_of(ns: list[int], backend: SDPBackend | None = None, step_lm=None) -> tuple[float, float, int]:
         ids, mask = prompts(ns, device)
-        return timed(lambda: generate.StaticDecoder(lm, ids, mask, 1 + args.steps, None, 0), backend)
+
+        def make():
+            decoder = generate.StaticDecoder(lm, ids, mask, 1 + args.steps, None, 0)
+            decoder.lm = lm if step_lm is None else step_lm  # the prefill ran eagerly; the decode steps run `step_lm`
+            return decoder
+        return timed(make, backend)
 
     median = sorted(lengths)[len(lengths) // 2]
     variants = [("as given", lengths, None), ("half the rows", lengths[: len(lengths) // 2], None),
@@ -119,7 +127,16 @@ def main() -> int:
         decoder = generate.StaticDecoder(lm, *prompts(lengths, device), 1 + args.profile_steps, None, 0)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             decoder.run(cuda_graph=False)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90), flush=True)
+    if args.compiled:
+        compiled = torch.compile(lm, dynamic=False)
+        with torch.no_grad():
+            start = time.perf_counter()
+            steps_of(lengths, step_lm=compiled)  # compiles in the eager warm-up steps
+            first = time.perf_counter() - start
+            prefill, seconds, steps = steps_of(lengths, step_lm=compiled)
+        print(f"{'as given, the step compiled':<40}{len(lengths):>6}{max(lengths):>7}{prefill:>11.2f}"
+              f"{1000 * seconds / steps:>9.1f}  (first call, compiling: {first:.1f} s)")
     return 0
 
 
