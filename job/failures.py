@@ -16,7 +16,8 @@
   (`launch.prepare` -> `evidence.abandon_stale`).
 * Preemption (a worker's SIGTERM, or Ray Train's drain signal): `catch_preemption` turns a worker's SIGTERM into
   a flag (`preemption_signalled`) that the loop agrees on at its next log step; it saves a checkpoint and ends
-  the attempt with `Preempted`, which the retry resumes from.
+  the attempt with `Preempted`, which the retry resumes from. Once the worker's loop has returned
+  (`stop_catching_preemption`), a SIGTERM is the ordinary end of the worker and goes to the handler it replaced.
 * `driver_watch(run_dir)` -- around the driver's wait on the workers: the heartbeat; SIGINT and SIGTERM turned
   into `Cancelled` (a KeyboardInterrupt) in the main thread, which Ray's wait (`ray.get`) lets through
   (`launch.run_with_ray` then closes the record and aborts the workers); an exception ending the wait closes a
@@ -98,6 +99,7 @@ _received: list[int] = []  # the stop signals this process received (driver_watc
 
 
 _preemption_signals: list[int] = []  # the SIGTERMs this worker process received (catch_preemption's handler)
+_loop_returned: list[bool] = []  # set by stop_catching_preemption: from then on a SIGTERM is not a preemption
 
 
 def catch_preemption() -> bool:
@@ -107,14 +109,24 @@ def catch_preemption() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     before = signal.getsignal(signal.SIGTERM)
+    _loop_returned.clear()  # a loop starting in this process again (torchrun, tests): caught once more
 
     def note(signum, frame):
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+        if _loop_returned:  # the worker being shut down after its loop: nothing to save, no claim that it will
+            signal.raise_signal(signum)
+            return
         _preemption_signals.append(signum)
         print(f"SIGTERM to worker pid {os.getpid()}: saving a checkpoint at the ranks' next log step", flush=True)
-        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
     signal.signal(signal.SIGTERM, note)
     return True
+
+
+def stop_catching_preemption() -> None:
+    """The worker's loop has returned (from any thread): a SIGTERM from now on goes straight to the handler
+    `catch_preemption` replaced (Ray's, which ends the worker), as if it had never been caught."""
+    _loop_returned.append(True)
 
 
 def preemption_signalled() -> bool:

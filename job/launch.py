@@ -335,7 +335,10 @@ def ray_train_loop(train_loop_config: dict) -> None:
     loop_config.startup["workers"] = time.time()  # Ray Train's part ends here; the training code's imports follow
     from .train import train_loop
 
-    train_loop(loop_config, launcher)
+    try:
+        train_loop(loop_config, launcher)
+    finally:
+        failures.stop_catching_preemption()
 
 
 def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | None:
@@ -499,6 +502,7 @@ def run_with_torchrun(loop_config: LoopConfig) -> None:
     try:
         train_loop(loop_config, TorchrunLauncher())
     finally:
+        failures.stop_catching_preemption()
         if dist.is_initialized():
             dist.destroy_process_group()
 

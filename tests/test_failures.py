@@ -293,6 +293,30 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
     assert err["step"] == abandoned["steps"] == killed_after and abandoned["ended_at"]  # what it knew, kept
 
 
+def test_a_workers_sigterm_is_a_preemption_until_its_loop_returns_then_goes_to_the_handler_it_replaced(
+        monkeypatch, capsys):
+    """During the loop a SIGTERM is noted and said, not obeyed; once the loop has returned (Ray ending the worker
+    after a finished run) it goes to the handler `catch_preemption` replaced, with no claim of a save."""
+    monkeypatch.setattr(failures, "_preemption_signals", [])
+    monkeypatch.setattr(failures, "_loop_returned", [])
+    replaced = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: replaced.append(signum))
+    try:
+        assert failures.catch_preemption()
+        signal.raise_signal(signal.SIGTERM)
+        assert failures.preemption_signalled() and replaced == []
+        assert "saving a checkpoint at the ranks' next log step" in capsys.readouterr().out
+
+        monkeypatch.setattr(failures, "_preemption_signals", [])
+        assert failures.catch_preemption()
+        failures.stop_catching_preemption()
+        signal.raise_signal(signal.SIGTERM)
+        assert replaced == [signal.SIGTERM] and not failures.preemption_signalled()
+        assert capsys.readouterr().out == ""
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_sigterm_to_a_worker_saves_at_the_next_step_and_the_retry_resumes_there(tmp_path):
     # Checkpoints every 20 steps; rank 1 gets SIGTERM mid-interval. The ranks agree at the next log step (every
     # step here), save it, and end the attempt preempted; Ray Train's retry (max_failures 1) resumes from that save.
@@ -311,6 +335,8 @@ def test_sigterm_to_a_worker_saves_at_the_next_step_and_the_retry_resumes_there(
             proc.kill()
     output = (tmp_path / "driver.log").read_text()
     assert proc.returncode == 0, output[-3000:]
+    # Said once, by the signalled worker: Ray's SIGTERMs ending the workers after the run are no preemption.
+    assert output.count("saving a checkpoint at the ranks' next log step") == 1, output[-3000:]
     record = evidence.load_record(run_dir)
     validate(record)
     assert record["status"] == "succeeded", record["error"]
