@@ -164,7 +164,7 @@ def test_grouped_decode_attention_is_repeated_key_value_attention_and_decode_ste
     assert grouped_steps.count(True) == 11 * lm.config.num_hidden_layers  # every decode step after the prefill
 
 
-
+@pytest.mark.image_set  # the cache's rows are Transformers' internals: checked on the image's version too
 def test_rows_that_ended_leave_the_steps_and_the_step_is_captured_again(monkeypatch):
     """Rows ending at different steps are dropped (their cache rows too) once few enough are still going; each
     smaller batch runs one eager step and is then captured again, and the replays run the batch last captured. The
