@@ -309,7 +309,7 @@ def _writer(uri: str):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(uri)
-    # Several files per rank, written in parallel: one stream does not fill a fast disk. On the H200 machine's
+    # Several files per rank, written in parallel: one stream does not fill a fast disk. On a GPU machine's NVMe
     # disk (bench/dcp_write.py, 8.4 GB fsynced) 4 threads wrote 1.49 GB/s, 8 1.71, 16 1.73.
     return FileSystemWriter(storage.local_path(uri), thread_count=8)
 
@@ -456,8 +456,8 @@ class Checkpointer:
         """Where this rank's saves copy the state first (`choose_staging`), decided at the first save, when
         training's peak memory is known, and kept: later saves would count the copy itself in that peak. Pinned
         host buffers, when the saves copy into them, are allocated here, with training waiting (~10 s for 19 GB;
-        page-locking beside running steps slowed them, runs 35-37); unpinned ones, for a copy on the device,
-        by the write that fills them."""
+        page-locking beside running steps holds the interpreter lock and slows them); unpinned ones, for a copy on
+        the device, by the write that fills them."""
         layout = tensor_layout(state)
         staging = choose_staging(self.device, layout_bytes(layout))
         on_device = staging["on"] == "device"
@@ -490,7 +490,7 @@ class Checkpointer:
                 self.device_copy = None
                 self.device_copy_released.set()
         # The writer process, even for the last save, after which no step would suffer a writer thread's hold on
-        # the interpreter: the evaluations and the export would (run 25: the final held-out pass took 21.8 s
+        # the interpreter: the evaluations and the export would (the final held-out pass of the 1.5B took 21.8 s
         # beside a writer thread, 3.1 s beside the process).
         if self.writer["writer"] == "process":  # DCP's writer process, started by `prepare`
             dcp.async_save(staged, storage_writer=_writer(uri), process_group=self.group,
@@ -680,9 +680,9 @@ def choose_staging(device: torch.device, need: int) -> dict:
 
     On the device when it has room beside training's peak (`max_memory_reserved`), the other processes on it
     and `STAGING_HEADROOM`: a copy there should take ~10 ms at the device's bandwidth (not yet measured) where
-    one into pinned host memory took 0.45 s, and the pinned buffers' allocation ~10 s per 19 GB
-    (docs/benchmarks.md, "Goodput"); the write then copies it to host memory beside the steps, on a stream of
-    its own. Else in host memory, as on CPU."""
+    one into pinned host memory took 0.45 s, and the pinned buffers' allocation ~10 s per 19 GB (docs/performance.md,
+    "Where the time goes"); the write then copies it to host memory beside the steps, on a stream of its own. Else
+    in host memory, as on CPU."""
     if device.type != "cuda":
         return {"on": "host", "bytes": need, "reason": "not a GPU"}
     free, total = torch.cuda.mem_get_info(device)
@@ -734,7 +734,7 @@ class HostStager:
         if not self.shared:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
         # Created in shared memory, not moved there: `share_memory_()` copies the tensor in while holding the
-        # interpreter lock (~10 ms per 55 MB projection, run 35).
+        # interpreter lock (~10 ms per 55 MB projection).
         nbytes = shape.numel() * dtype.itemsize
         buffer = torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
         buffer.zero_()  # faults the pages in here, so that cudaHostRegister only pins resident ones

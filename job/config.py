@@ -211,7 +211,7 @@ class ParallelConfig:
     """`torch.compile` each decoder layer."""
     fsdp: Literal["auto", "always"] = "auto"
     """`auto`: FSDP2 (`fully_shard`) with two or more workers; one worker trains the model unwrapped, as
-    torchtitan does (FSDP2 on one device only adds copies: 8 ms of a Qwen2.5-1.5B step on an H200, run 40), with
+    torchtitan does (on one device FSDP2 only adds copies of every parameter and gradient, 1-2% of a step), with
     FSDP2's numerics (each forward computes on bf16 copies of the fp32 weights, gradients reach the fp32 weights) and
     the same checkpoints (DCP, resharded onto any number of workers on resume). `always`: FSDP2 on one worker too
     (`cpu_offload` and `activation_checkpointing` imply it)."""
@@ -256,7 +256,7 @@ class CheckpointConfig:
     async_writer: Literal["auto", "process", "thread"] = "auto"
     """Where a save's write runs. `process`: in a writer process per worker, which reads the staged state from
     shared memory (`/dev/shm`), so writing never competes with training for the worker's Python interpreter (a
-    writer thread slowed the training steps after each save of Qwen2.5-1.5B by ~25 s on an H200); needs
+    writer thread holds the interpreter lock that launches training's kernels, slowing the steps beside it); needs
     `/dev/shm` room for every local worker's share of the model and optimizer state (the chart's
     `shm.sizeLimit`), else the run stops before its first step, saying how much. `thread`: in a thread of the
     worker, from ordinary (pinned) host memory. `auto`: `process` when `/dev/shm` has the room on every node,

@@ -202,7 +202,7 @@ def export_is_valid(run_dir: str, step: int) -> bool:
 
 
 def prepare_acceptance() -> None:
-    """What `accept` needs before it has an export to read: its imports (~20 s on the H200 machine). The device
+    """What `accept` needs before it has an export to read: its imports (~20 s on a GPU machine). The device
     is initialized only once an export arrives, so the waiting process holds no GPU memory while training runs."""
     import safetensors.torch  # noqa: F401
     import transformers  # noqa: F401
@@ -251,7 +251,7 @@ def accept(export_dir: str) -> dict:
         blocks = load_file(os.path.join(export_dir, HELDOUT))
         totals = torch.zeros(2, dtype=torch.float64)
         # Eager, the loss kernel included: compiling it in this one-shot process took most of the held-out pass's
-        # 10-13 s on the H200 (runs 44-45), and the eager passes over the logits take well under a second.
+        # 10-13 s for the 1.5B, and the eager passes over the logits take well under a second.
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             start = 0
             for size in ref["batch_sizes"]:

@@ -14,8 +14,8 @@ token for token (tests/test_generate.py, on CPU), without its per-step host work
 * grouped-query attention on the key/value heads as they are (`sdpa_grouped_decode`).
 Models it does not cover (attention other than SDPA, sliding-window layers) go through `generate` itself, and
 `Generated.decode` says so. On one H200, the 1,319 GSM8K test questions with Qwen2.5-Coder-1.5B: 10.7 s through
-`generate`, 9.0 s here, the same generations (docs/benchmarks.md, runs 21-22); at that batch a decode step is
-device-bound (18 ms replayed, a third of it in unfused elementwise kernels: run 51).
+`generate`, 9.0 s here, the same generations; at that batch a decode step is device-bound (18 ms replayed, a
+third of it in unfused elementwise kernels: docs/performance.md, "Where the time goes").
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class CausalLMWithLoss(nn.Module):
 
 class CastCopies(torch.autograd.Function):
     """Copies of the parameters in another dtype, and in backward their gradients cast back: one foreach copy
-    each way (per-parameter casts cost ~16 ms of host time per forward for Qwen2.5-1.5B's 338 parameters, run 39,
+    each way (per-parameter casts cost ~16 ms of host time per forward for Qwen2.5-1.5B's 338 parameters,
     while the device waited)."""
 
     @staticmethod
@@ -157,7 +157,7 @@ def computing_on_copies(lm: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     what FSDP2's mixed precision gathers, without FSDP2. One copy per parameter, so a tied embedding and head
     share theirs and their gradients add up in `dtype` before reaching the fp32 weight, as under FSDP2. The
     copies are put straight into the modules' parameter slots, as `torch.func.functional_call` does, whose
-    per-name lookups cost ~7 ms of host time per forward here (run 39). Autograd keeps a copy while a saved
+    per-name lookups cost ~7 ms of host time per forward here. Autograd keeps a copy while a saved
     activation needs it."""
     slots = [(module, name, param) for module in lm.modules() for name, param in module._parameters.items()
              if param is not None]

@@ -468,8 +468,8 @@ def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, 
 
     Beside the data's tokenizing (host work) the decoding has the device to itself. Beside the first held-out
     evaluation, which compiles the forward, each slowed the other: 20 s together against 23 s one after the
-    other (runs 24-26, docs/benchmarks.md); the compiler's kernel benchmarks wait for the device, which the
-    decoding keeps busy. The thread makes no collective call, so the ranks' collectives stay in one order."""
+    other; the compiler's kernel benchmarks wait for the device, which the decoding keeps busy. The thread makes no
+    collective call, so the ranks' collectives stay in one order."""
     lm = gathered_copy(model, torch.bfloat16 if bf16 else torch.float32, device)
     if not room_to_decode_beside(device, lm, tokenizer, items, cfg.eval, rank, world):
         return None
