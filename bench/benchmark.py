@@ -93,7 +93,7 @@ for suffix, batch in (("", 4), ("-b8", 8)):
     VARIANTS[f"best{suffix}-cudnn-unwrapped"] = Variant("torchrun", batch, CUDNN, tree="unwrapped")
     VARIANTS[f"best{suffix}-cudnn-fsdp"] = Variant("torchrun", batch, {**CUDNN, "parallel.fsdp": "always"})
 TREES = REPO / ".devdata" / "trees"
-"""Where `Variant.tree`s are: `git archive COMMIT job | tar -x -C .devdata/trees/NAME` (docs/benchmarks.md, run 39)."""
+"""Where `Variant.tree`s are: `git archive COMMIT job | tar -x -C .devdata/trees/NAME` (bench/device-bench.sh issue31)."""
 BASELINES = {"vs hf": {}, "vs liger": LIGER}
 """The ratio columns: each divides by the baseline script's (launcher "hf") row with exactly these options (at the
 same global batch and GPU count, from the same run)."""

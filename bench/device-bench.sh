@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark as run on the lent 2-GPU machine (see docs/device.md and docs/benchmarks.md).
+# The GPU benchmark as run on the lent 2-GPU machine (see docs/device.md and docs/performance.md).
 #   bench/device-bench.sh 1gpu [VARIANTS_GPU0 VARIANTS_GPU1]   one-GPU variants, one queue per GPU in parallel
 #   bench/device-bench.sh 2gpu [VARIANTS]                       FSDP across both GPUs; torchrun vs Ray Train
 #   bench/device-bench.sh gsm8k                                 real data on 2 GPUs under Ray Train: Qwen2.5-1.5B

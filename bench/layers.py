@@ -15,7 +15,7 @@ Variants (one part swapped each):
   sdpa         PyTorch SDPA, the backend chosen per call (values/gsm8k.yaml)
   fa4          FlashAttention-4's CuTe-DSL kernels (their Hopper path) through `flash_attention_4` below: outside
                the compiled graph (transformers' own `flash_attention_4` fails under torch.compile), packed rows
-               as variable-length documents. Runs 33-34: wrong on packed rows here (docs/benchmarks.md)
+               as variable-length documents. Wrong on packed rows here (docs/performance.md)
   quack-mlp    the MLP as quack's fused GEMMs: gate/up projection with SiLU·mul in its epilogue, and in
                backward the SiLU·mul gradient in the epilogue of the down projection's input-gradient GEMM
                (quack's default tile configuration; `quack-mlp-tuned` autotunes each GEMM first: minutes)
