@@ -396,7 +396,7 @@ class Checkpointer:
     def _start_writer_process(self) -> None:
         """Starts DCP's writer process now, in the write thread, while the first steps run, instead of in the
         first save's write: its start (a spawned interpreter importing torch, then its gloo group) took 6.1 s of a
-        2-core machine's first write, in which a crash lost that save too (issue 33). The first `save` waits for
+        2-core machine's first write, in which a crash lost that save too. The first `save` waits for
         it, so that no write is slower than the write itself. Collective: the ranks agree on the writers'
         rendezvous here. Skipped where DCP's internals differ (then the first save starts it)."""
         try:

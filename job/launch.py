@@ -436,7 +436,7 @@ def trainer_class(base: type) -> type:
     group's placement group once the controller looks dead. `ray.train.v2._internal.state.util.is_actor_alive`
     counts a missing answer as dead (`actor_state and ...`), and a state API starved of CPU answers with
     nothing within its timeout: on 2 busy cores the cleaner removed the live run's placement group and the run
-    failed (issue 17; the same flaw is pointed out in ray-project/ray#65447). The cleaner only matters when the
+    failed (the same flaw is pointed out in ray-project/ray#65447). The cleaner only matters when the
     controller dies while its driver lives on; here the driver is this process, and when it ends, Ray removes
     the placement groups its job created. It also adds a worker callback that catches each worker's SIGTERM for
     a preemption save (`failures.catch_preemption`). Kept as is if Ray's internals differ (then the cleaner stays)."""
