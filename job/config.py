@@ -774,6 +774,8 @@ def load(path: str, overrides: list[str] = ()) -> RunConfig:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file: {path}") from None
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as e:
+        raise ConfigError(f"--config: cannot read {path} as a YAML file ({type(e).__name__})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
     if raw is not None and not isinstance(raw, dict):
