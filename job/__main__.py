@@ -131,10 +131,10 @@ def _run(args: argparse.Namespace, imported_at: float, held: contextlib.ExitStac
     except failures.Cancelled as e:
         _verdict(run_dir, "cancelled", str(e), loop_config)
         return failures.exit_status(e)
-    print(f"run directory: {run_dir}", flush=True)
     if error:
         _verdict(run_dir, "failed", error, loop_config)
         return 1
+    print(f"run directory: {run_dir}", flush=True)
     return 0
 
 
@@ -171,7 +171,8 @@ def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> No
     if run_dir is None or os.environ.get("RANK", "0") != "0":
         return
     try:
-        evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, STARTED_AT))
+        # No worker started, so no record is this attempt's: any there is an earlier one's, whenever it opened.
+        evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, time.time()))
     except Exception as e:  # the refusal's message is already out; a record that cannot be written must not hide it
         print(f"cannot record the failure in {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
 

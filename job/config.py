@@ -763,7 +763,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{'.'.join(parents[: i + 1])}: cannot set {key}, this is not a mapping")
-        node[leaf] = yaml.safe_load(text)
+        try:
+            node[leaf] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
     return raw
 
 
