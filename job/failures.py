@@ -377,12 +377,15 @@ def save_traceback(run_dir: str, started_at: float, rank: int, exc: BaseExceptio
         print(f"cannot write {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
+_RESUME = "rerun; it resumes from its newest complete checkpoint, if any"
 _NEXT = {  # (class, reason or None for any): what to do before the command
-    ("infrastructure", "disk_full"): "free space on the run's storage, then resume from its newest checkpoint",
-    ("infrastructure", None): "resume from its newest checkpoint",
+    ("infrastructure", "disk_full"): f"free space on the run's storage, then {_RESUME}",
+    ("infrastructure", "preflight"): "fix what the preflight names (the cluster's network, or preflight.expect), "
+                                     "then rerun",
+    ("infrastructure", None): _RESUME,
     ("config", None): "fix the config field the cause names (or choose a new run name), then rerun",
     ("data", None): "fix the data row or source the cause names, then rerun",
-    ("cancelled", None): "resume from its newest checkpoint",
+    ("cancelled", None): _RESUME,
 }
 
 

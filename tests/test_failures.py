@@ -204,7 +204,8 @@ def test_lost_rank0_ends_failed_worker_lost(tmp_path):
     verdict = lines[max(i for i, line in enumerate(lines) if line.startswith("run failed: ")):]
     assert len(verdict) <= 5 and verdict[0] == "run failed: infrastructure/worker_lost at step 10, rank 0", lines[-30:]
     assert verdict[1].startswith("cause: ") and f"run directory: {run_dir} (run.json)" in verdict
-    assert verdict[-1] == f"next: resume from its newest checkpoint: python -m job --config {cmd[-1]}", verdict
+    assert verdict[-1] == ("next: rerun; it resumes from its newest complete checkpoint, if any: "
+                           f"python -m job --config {cmd[-1]}"), verdict
 
 
 def _wait_for(predicate, timeout_s: float, what: str):
