@@ -25,6 +25,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 
 from . import config as config_lib  # noqa: E402
@@ -43,6 +44,9 @@ COMMANDS = """commands:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["schema"]:
+        if argv[1:]:
+            print(f"schema: takes no arguments, got {' '.join(argv[1:])}", file=sys.stderr)
+            return 2
         print(json.dumps(config_lib.json_schema(), indent=2))
         return 0
     if argv[:1] == ["compare"]:
@@ -62,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["run"]:
         argv = argv[1:]
     # Training's imports (torch) here, not at the top: the other commands start in well under a second.
-    from . import checkpoint as checkpoint_lib
-    from . import data as data_lib
-    from . import launch
+    from . import launch  # noqa: F401
 
     imported_at = time.time()
     parser = argparse.ArgumentParser(prog="python -m job [run]", description="FSDP2 fine-tune under Ray Train.",
@@ -72,12 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
-    cfg = recordable = None  # the run directory, once checked writable: a refusal from there on is recorded
+    with contextlib.ExitStack() as held:  # the run lease, from the storage check to the last line
+        return _run(args, imported_at, held)
+
+
+def _run(args: argparse.Namespace, imported_at: float, held: contextlib.ExitStack) -> int:
+    from . import checkpoint as checkpoint_lib
+    from . import data as data_lib
+    from . import launch
+    from . import lease as lease_lib
+
+    cfg = recordable = None  # the run directory, once its lease is held: a refusal from there on is recorded
     try:
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
         run_dir = launch.run_directory(cfg)
         launch.check_before_start(cfg, run_dir)
+        if os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 holds it for all its processes
+            held.enter_context(lease_lib.hold(run_dir))
         recordable = run_dir
         # When each of the driver's startup steps ended (metrics.Timeline).
         startup = {"imports": imported_at, "checks": time.time()}
@@ -99,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     except packages.MissingPackage as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except lease_lib.LeaseHeld as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 2
     except checkpoint_lib.CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         _record_refusal(cfg, recordable, e)
@@ -108,37 +125,54 @@ def main(argv: list[str] | None = None) -> int:
         _record_refusal(cfg, recordable, e)
         return 2
     try:
-        # The heartbeat; SIGINT/SIGTERM stop the run (`cancelled`); a record left running closed on an exception.
+        # SIGINT/SIGTERM stop the run (`cancelled`); a record left running closed on an exception.
         with failures.driver_watch(run_dir):
             error = launch.run_with_ray(cfg, loop_config)
     except failures.Cancelled as e:
-        print(f"run cancelled: {e}\nrun directory: {run_dir}", file=sys.stderr)
+        _verdict(run_dir, "cancelled", str(e), loop_config)
         return failures.exit_status(e)
-    print(f"run directory: {run_dir}", flush=True)
     if error:
-        print(f"run failed: {error}", file=sys.stderr)
+        _verdict(run_dir, "failed", error, loop_config)
         return 1
+    print(f"run directory: {run_dir}", flush=True)
     return 0
 
 
+def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
+    """Ends Ray's output (its log forwarding stops with the connection), then prints the verdict
+    (`failures.verdict`) as the driver's last lines, on stderr: what a person reads first in a log."""
+    from . import evidence, launch, storage
+
+    launch.disconnect_ray()
+    try:
+        record = evidence.load_latest(run_dir)
+    except (OSError, ValueError):
+        record = {}
+    logs_dir = failures.attempt_logs(run_dir, loop_config.started_at)
+    try:
+        fs, path = storage.filesystem(logs_dir)
+        logs = sorted(storage.join(logs_dir, p.rstrip("/").rsplit("/", 1)[-1]) for p in fs.ls(path, detail=False))
+    except (OSError, ValueError):
+        logs = []
+    command = "python -m job " + shlex.join(sys.argv[1:])
+    print(failures.verdict(run_dir, record.get("status") or status, record.get("error"), error, command, logs),
+          file=sys.stderr, flush=True)
+
+
 def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> None:
-    """A run refused once its run directory exists (`launch.check_before_start` created and wrote it: a bad data
-    row, a refused resume, a worker group the cluster cannot place) gets a `failed` record of this attempt,
-    written by the driver (rank 0 of torchrun's processes), unless the run has trained: no worker started, so the
-    run is still what its record says, and that stays (its results, and its config rather than the refused one,
-    e.g. `checkpoint.resume: never` on this run; a live run's record is not the refused driver's). Refused
-    before that (the config, the packages, the storage itself, the model's settings), there is nowhere to write
-    one: the exit status and the message are the whole record."""
+    """A run refused once the driver holds its lease (a bad data row, a refused resume, a worker group the
+    cluster cannot place) gets a `failed` record of this attempt, written by the driver (rank 0 of torchrun's
+    processes): beside the run's record when that holds finished work, listed in its `later_attempts`
+    (`evidence.start_record`), so the run stays what it was. Refused before that (the config, the packages, the
+    storage itself, the model's settings, the lease), there is nowhere to write one: the exit status and the
+    message are the whole record."""
     from . import evidence, launch
 
     if run_dir is None or os.environ.get("RANK", "0") != "0":
         return
     try:
-        with contextlib.suppress(OSError, ValueError):  # no record, or one not this driver's to judge
-            if (evidence.load_record(run_dir).get("metrics") or {}).get("steps"):
-                print(f"{run_dir}/run.json is left as it was: the refused attempt did not start", file=sys.stderr)
-                return
-        evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, STARTED_AT))
+        # No worker started, so no record is this attempt's: any there is an earlier one's, whenever it opened.
+        evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, time.time()))
     except Exception as e:  # the refusal's message is already out; a record that cannot be written must not hide it
         print(f"cannot record the failure in {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -158,6 +192,11 @@ def _accept(argv: list[str]) -> int:
         args.export_dir = sys.stdin.readline().strip()
         if not args.export_dir:  # the export was called off
             return 0
+    if not os.path.isfile(os.path.join(args.export_dir, "reference.json")):
+        what = "no such directory" if not os.path.exists(args.export_dir) else (
+            "not a directory" if not os.path.isdir(args.export_dir) else "no reference.json in it (not an export)")
+        print(f"accept: {args.export_dir}: {what}", file=sys.stderr)
+        return 2
     result = accept(args.export_dir)
     print(json.dumps(result, indent=1))
     return 0 if result["ok"] else 1

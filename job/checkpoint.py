@@ -2,7 +2,9 @@
 
 Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS path or an `s3://` URI):
 
-    config.yaml                      resolved config of the latest start (launch.prepare)
+    config.yaml                      resolved config that trained the checkpoints (evidence.config_file)
+    lease.json, heartbeat.json       the driver writing the run, while it runs (job/lease.py)
+    attempts/<n>/                    config.yaml and run.json of attempts that ran beside a finished record
     metrics.jsonl                    rank 0's metric records (lines past a resumed step are dropped)
     checkpoint_00000040/             one checkpoint per saved step, written in place by every rank:
         .metadata, __<rank>_0.distcp     torch.distributed.checkpoint (model + optimizer, sharded; reshardable)

@@ -763,7 +763,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{'.'.join(parents[: i + 1])}: cannot set {key}, this is not a mapping")
-        node[leaf] = yaml.safe_load(text)
+        try:
+            node[leaf] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
     return raw
 
 
@@ -774,6 +777,8 @@ def load(path: str, overrides: list[str] = ()) -> RunConfig:
             raw = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config: no such file: {path}") from None
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as e:
+        raise ConfigError(f"--config: cannot read {path} as a YAML file ({type(e).__name__})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
     if raw is not None and not isinstance(raw, dict):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -42,6 +43,9 @@ from .nccl import describe_transport
 from .environment import UNKNOWN, job_version, worker_environment
 
 RUN_RECORD = "run.json"
+CONFIG_FILE = "config.yaml"
+ATTEMPTS_DIR = "attempts"
+"""`attempts/<n>/`: the config and record of attempt n where it ran beside the run's record (`start_record`)."""
 METRICS_FILE = "metrics.jsonl"
 SCHEMA_VERSION = 1
 CLOSED_STATUSES = ("succeeded", "failed", "cancelled", "abandoned")
@@ -228,12 +232,42 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
         "time": None,
         "weights": None,
         "extra": {},
-        "previous_attempts": _previous_attempts(run_dir),
+        "lease": _lease(run_dir),
+        "record_file": RUN_RECORD,
+        "previous_attempts": [],
+        "later_attempts": [],
     }
     if record["pod"]["name"] == UNKNOWN:
         record["pod"]["reason"] = "POD_NAME/POD_NAMESPACE unset (not running in the chart's pods)"
+    try:
+        old = load_record(run_dir)
+    except (FileNotFoundError, ValueError):
+        old = None
+    record["previous_attempts"] = _previous_attempts(run_dir, old)
+    if old is not None and _has_results(old):  # this attempt goes beside the run's record, listed in it
+        record["record_file"] = storage.join(ATTEMPTS_DIR, str(len(record["previous_attempts"]) + 1), RUN_RECORD)
+        old["later_attempts"] = [*(old.get("later_attempts") or []), _summary(run_dir, record)]
+        write_record(run_dir, old)
     write_record(run_dir, record)
     return record
+
+
+def _lease(run_dir: str) -> dict | None:
+    """The run lease of the driver that started this attempt (`job/lease.py`), with what it took over; None under
+    a driver that holds none (tests calling the loop directly)."""
+    from .lease import LeaseHeld, read
+
+    try:
+        return read(run_dir)
+    except (OSError, LeaseHeld):
+        return None
+
+
+def _has_results(record: dict) -> bool:
+    """Whether a closed record holds finished work (it succeeded, or trained steps) that a later attempt must
+    not replace unless it succeeds or trains itself (`finish_record`)."""
+    return record.get("status") in CLOSED_STATUSES and (
+        record.get("status") == "succeeded" or bool((record.get("metrics") or {}).get("steps")))
 
 
 _UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "preflight", "time", "weights")
@@ -295,7 +329,71 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded",
             metrics = summarize_metrics(read_metrics(run_dir))
         except (OSError, ValueError) as exc:
             metrics = {"reason": f"no metrics: {exc}"}
-    return update_record(run_dir, record, metrics=metrics, **updates)
+    update_record(run_dir, record, metrics=metrics, **updates)
+    if (record.get("record_file") or RUN_RECORD) != RUN_RECORD:
+        _settle(run_dir, record)
+    return record
+
+
+def _settle(run_dir: str, record: dict) -> None:
+    """A closed attempt that ran beside the run's record (`start_record`): one that succeeded, or trained steps
+    of a run that had not succeeded, becomes the run's record (run.json; its config.yaml, the config that trained
+    the newest checkpoints); any other (refused, failed or cancelled before a step) stays beside it, its entry in
+    the run's `later_attempts` closed."""
+    run = load_record(run_dir)
+    trained = _last_seen(run_dir, record.get("started_at")).get("steps")
+    if record["status"] == "succeeded" or (run.get("status") != "succeeded" and trained):
+        # The driver's config of this attempt; a Ray Train retry's record is numbered after it.
+        for number in range(len(record["previous_attempts"]) + 1, 0, -1):
+            with contextlib.suppress(FileNotFoundError):
+                config = storage.read_bytes(storage.join(run_dir, ATTEMPTS_DIR, str(number), CONFIG_FILE))
+                storage.write_atomic(storage.join(run_dir, CONFIG_FILE), config)
+                break
+        write_record(run_dir, {**record, "record_file": RUN_RECORD})
+        return
+    run["later_attempts"] = [_summary(run_dir, record) if a.get("record") == record["record_file"] else a
+                             for a in run.get("later_attempts") or []]
+    write_record(run_dir, run)
+
+
+def later_attempts_line(record: dict) -> str | None:
+    """The attempts after the one `record` describes that did not replace it, in one line (`runs`, `report`,
+    `compare`): `later attempts: 2 failed config/resume_refused (attempts/2/run.json)`; None when there are none."""
+    later = record.get("later_attempts")
+    if not isinstance(later, list) or not later:
+        return None
+    first = len(record.get("previous_attempts") or []) + 2
+
+    def one(number: int, attempt) -> str:
+        attempt = attempt if isinstance(attempt, dict) else {}
+        err = attempt.get("error")
+        ending = f" {err.get('class')}/{err.get('reason')}" if isinstance(err, dict) else ""
+        return f"{number} {attempt.get('status')}{ending} ({attempt.get('record', '-')})"
+
+    return "later attempts: " + "; ".join(one(first + i, a) for i, a in enumerate(later))
+
+
+def config_file(run_dir: str) -> str:
+    """Where the driver saves the config of the attempt it starts, relative to the run directory: config.yaml,
+    or `attempts/<n>/config.yaml` when the run's record holds finished work (`_has_results`): config.yaml stays
+    the config that trained the run's checkpoints until this attempt replaces the record (`_settle`)."""
+    try:
+        old = load_record(run_dir)
+    except (FileNotFoundError, ValueError):
+        return CONFIG_FILE
+    if not _has_results(old):
+        return CONFIG_FILE
+    return storage.join(ATTEMPTS_DIR, str(len(_previous_attempts(run_dir, old)) + 1), CONFIG_FILE)
+
+
+def load_latest(run_dir: str) -> dict:
+    """The record of the run's newest attempt: run.json, or the record of its last `later_attempts` entry."""
+    record = load_record(run_dir)
+    later = record.get("later_attempts") or []
+    if later and later[-1].get("record"):
+        with contextlib.suppress(FileNotFoundError):
+            return json.loads(storage.read_text(storage.join(run_dir, later[-1]["record"])))
+    return record
 
 
 def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, rank: int | None = None,
@@ -308,7 +406,7 @@ def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, 
     here, with the driver's own environment. Returns the record written, or None (also when storage refuses the
     write, e.g. a full disk: said on stderr, so that the driver still reports the run's own error)."""
     try:
-        record = load_record(run_dir)
+        record = load_latest(run_dir)
     except FileNotFoundError:
         record = None
     except (OSError, ValueError):  # half written or corrupt: not this driver's to judge
@@ -340,7 +438,7 @@ def abandon_stale(run_dir: str) -> dict | None:
     is closed `abandoned` (`unknown`/`driver_lost`), ending when it was last seen (its last metrics record, else
     its last heartbeat). Returns the record written, or None when there was nothing to close."""
     try:
-        record = load_record(run_dir)
+        record = load_latest(run_dir)
     except (OSError, ValueError):
         return None
     if failures.liveness(run_dir, record) != "stale":
@@ -354,23 +452,38 @@ def abandon_stale(run_dir: str) -> dict | None:
 
 
 def write_record(run_dir: str, record: dict) -> None:
-    """Write `record` to `<run_dir>/run.json` atomically (see `write_text_atomic`)."""
-    storage.write_atomic(storage.join(run_dir, RUN_RECORD), json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+    """Write `record` to its file, `<run_dir>/run.json` or its attempt's (`record_file`), atomically."""
+    storage.write_atomic(storage.join(run_dir, record.get("record_file") or RUN_RECORD),
+                         json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def _previous_attempts(run_dir: str) -> list[dict]:
-    """Earlier attempts of the same run (a retried RayJob, a resumed re-run), oldest first: a new attempt's
-    record replaces run.json, so it carries forward what each earlier one started, ended and reached."""
-    try:
-        old = load_record(run_dir)
-    except (FileNotFoundError, ValueError):
+def _previous_attempts(run_dir: str, old: dict | None) -> list[dict]:
+    """Earlier attempts of the same run (a retried RayJob, a resumed re-run), oldest first: what each started,
+    ended and reached, from the run's record `old`: its own earlier ones, itself, and the attempts after it that
+    did not replace it (`later_attempts`)."""
+    if old is None:
         return []
-    summary = {key: old.get(key) for key in ("started_at", "ended_at", "status", "error", "config_sha256")}
-    summary["image_digest"] = (old.get("image") or {}).get("digest")
-    summary["steps"] = (old.get("metrics") or {}).get("steps")
-    if summary["status"] == "running":  # it never closed its record: killed (node loss, SIGKILL, OOM)
-        summary.update(status="interrupted", **_last_seen(run_dir, old.get("started_at")))
-    return [*old.get("previous_attempts", []), summary]
+    return [*old.get("previous_attempts", []),
+            *(_close_summary(run_dir, a) for a in [_summary(run_dir, old), *(old.get("later_attempts") or [])])]
+
+
+def _summary(run_dir: str, record: dict) -> dict:
+    """An attempt in a few fields (`previous_attempts`, `later_attempts`); `record` names its own file when it is
+    not run.json."""
+    summary = {key: record.get(key) for key in ("started_at", "ended_at", "status", "error", "config_sha256")}
+    summary["image_digest"] = (record.get("image") or {}).get("digest")
+    summary["steps"] = (record.get("metrics") or {}).get("steps")
+    if (record.get("record_file") or RUN_RECORD) != RUN_RECORD:
+        summary["record"] = record["record_file"]
+    return summary
+
+
+def _close_summary(run_dir: str, summary: dict) -> dict:
+    """`summary` of an attempt that never closed its record (killed: node loss, SIGKILL, OOM) as `interrupted`,
+    with its last step and time seen."""
+    if summary.get("status") == "running":
+        summary = {**summary, "status": "interrupted", **_last_seen(run_dir, summary.get("started_at"))}
+    return summary
 
 
 def _last_seen(run_dir: str, started_at: str | None) -> dict:
@@ -389,12 +502,39 @@ def _last_seen(run_dir: str, started_at: str | None) -> dict:
 
 
 def load_record(run_dir: str) -> dict:
-    """Read `<run_dir>/run.json`; `FileNotFoundError` naming the path when absent."""
+    """Read `<run_dir>/run.json`; `FileNotFoundError` naming the path when absent, `ValueError` naming the field
+    when it is not a run record or a section has the wrong JSON type (`check_types`)."""
     path = storage.join(run_dir, RUN_RECORD)
     try:
-        return json.loads(storage.read_text(path))
+        record = json.loads(storage.read_text(path))
     except FileNotFoundError:
         raise FileNotFoundError(f"no {RUN_RECORD} at {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory, not a run record") from None
+    check_types(record, path)
+    return record
+
+
+_JSON_TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int,
+               "boolean": bool, "null": type(None)}
+
+
+def check_types(record, path: str) -> None:
+    """`ValueError` naming the first top-level field of `record` whose JSON type its schema does not allow (what
+    `report`, `compare` and `runs` read as objects, lists or numbers), or `record` itself not an object."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a run record (an object)")
+    with open(schema_path()) as f:
+        fields = json.load(f)["properties"]
+    for key, spec in fields.items():
+        options = [spec] if "type" in spec else spec.get("anyOf", [])
+        if key not in record or not options or any("type" not in option for option in options):
+            continue  # a field whose type a reference or a constant states: no simple check
+        allowed = [t for option in options for t in ([option["type"]] if isinstance(option["type"], str)
+                                                     else option["type"])]
+        if not isinstance(record[key], tuple(_JSON_TYPES[t] for t in allowed)):
+            found = next(t for t, kind in reversed(_JSON_TYPES.items()) if isinstance(record[key], kind))
+            raise ValueError(f"{path}: {key} must be {' or '.join(allowed)}, not {found}")
 
 
 def schema_path() -> str:
@@ -584,8 +724,10 @@ def _delta(a, b) -> str:
 
 def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -> str:
     """Concise text of `compare_records` output."""
-    out = [f"A: {name_a}  ({a.get('run_name')}, {a.get('status')})",
-           f"B: {name_b}  ({b.get('run_name')}, {b.get('status')})"]
+    out = []
+    for side, name, record in (("A", name_a, a), ("B", name_b, b)):
+        later = later_attempts_line(record)
+        out.append(f"{side}: {name}  ({record.get('run_name')}, {record.get('status')}{'; ' + later if later else ''})")
     labels = {"image": "image", "runtime_env": "runtime env", "packages": "packages", "config": "config", "data": "data",
               "hardware": "hardware/transport", "results": "results"}
     for group, label in labels.items():

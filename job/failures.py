@@ -10,15 +10,16 @@
   `infrastructure`/`worker_lost` and an NCCL error or timeout `infrastructure`/`nccl`; anything else
   `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`, through
   `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `driver_watch`).
-* `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while the run lives,
-  and once more with `"final": true` when its watch ends; `liveness` reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
+* `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while it holds the run
+  lease (`job/lease.py`, which the beats renew), and once more with `"final": true` when it lets go; `liveness`
+  reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
   process is gone from this host) is stale, and the next start of the run marks it `abandoned`
-  (`launch.prepare` -> `evidence.abandon_stale`).
+  (`lease.hold` -> `evidence.abandon_stale`).
 * Preemption (a worker's SIGTERM, or Ray Train's drain signal): `catch_preemption` turns a worker's SIGTERM into
   a flag (`preemption_signalled`) that the loop agrees on at its next log step; it saves a checkpoint and ends
   the attempt with `Preempted`, which the retry resumes from. Once the worker's loop has returned
   (`stop_catching_preemption`), a SIGTERM is the ordinary end of the worker and goes to the handler it replaced.
-* `driver_watch(run_dir)` -- around the driver's wait on the workers: the heartbeat; SIGINT and SIGTERM turned
+* `driver_watch(run_dir)` -- around the driver's wait on the workers: SIGINT and SIGTERM turned
   into `Cancelled` (a KeyboardInterrupt) in the main thread, which Ray's wait (`ray.get`) lets through
   (`launch.run_with_ray` then closes the record and aborts the workers); an exception ending the wait closes a
   record still left running (`cancelled` for a signal, else `failed`) and propagates. A driver killed outright (SIGKILL, its pod lost) dies with
@@ -35,6 +36,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 
 from . import storage
@@ -227,10 +229,12 @@ def _now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
-def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S, final: bool = False) -> None:
-    """`final`: the driver's last beat, as its watch ends (the run over, however it ended)."""
+def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S, final: bool = False,
+                    lease: str | None = None) -> None:
+    """`final`: the driver's last beat, as its watch ends (the run over, however it ended); `lease`: the id of
+    the run lease it renews (`job/lease.py`)."""
     beat = {"at": _now().isoformat(timespec="seconds"), "pid": os.getpid(), "host": socket.gethostname(),
-            "timeout_s": timeout_s, "final": final}
+            "timeout_s": timeout_s, "final": final, "lease": lease}
     storage.write_atomic(storage.join(run_dir, HEARTBEAT_FILE), json.dumps(beat) + "\n")
 
 
@@ -260,12 +264,14 @@ def liveness(run_dir: str, record: dict, now: _dt.datetime | None = None) -> str
         return "unknown"
     if age > timeout:
         return "stale"
-    if beat.get("host") == socket.gethostname() and beat.get("pid") != os.getpid() and not _alive(beat.get("pid")):
+    if (beat.get("host") == socket.gethostname() and beat.get("pid") != os.getpid()
+            and not process_alive(beat.get("pid"))):
         return "stale"
     return "live"
 
 
-def _alive(pid) -> bool:
+def process_alive(pid) -> bool:
+    """Whether process `pid` of this host exists (one that cannot be asked counts as alive)."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -276,22 +282,24 @@ def _alive(pid) -> bool:
 
 
 class Heartbeat:
-    """A daemon thread rewriting `<run_dir>/heartbeat.json` every `every_s` until `stop`."""
+    """A daemon thread rewriting `<run_dir>/heartbeat.json` every `every_s` until `stop`, renewing the run lease
+    `lease` (its id) with each beat."""
 
-    def __init__(self, run_dir: str, every_s: float = HEARTBEAT_EVERY_S, timeout_s: float = HEARTBEAT_TIMEOUT_S):
-        self.run_dir, self.every_s, self.timeout_s = run_dir, every_s, timeout_s
+    def __init__(self, run_dir: str, every_s: float = HEARTBEAT_EVERY_S, timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 lease: str | None = None):
+        self.run_dir, self.every_s, self.timeout_s, self.lease = run_dir, every_s, timeout_s, lease
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="job-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        write_heartbeat(self.run_dir, self.timeout_s)
+        write_heartbeat(self.run_dir, self.timeout_s, lease=self.lease)
         self._thread.start()
         return self
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                write_heartbeat(self.run_dir, self.timeout_s)
+                write_heartbeat(self.run_dir, self.timeout_s, lease=self.lease)
             except Exception as e:  # a storage hiccup must not end the run; several missed beats mean stale
                 print(f"heartbeat: cannot write {HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
 
@@ -300,7 +308,7 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=5)
         try:
-            write_heartbeat(self.run_dir, self.timeout_s, final=True)
+            write_heartbeat(self.run_dir, self.timeout_s, final=True, lease=self.lease)
         except Exception as e:  # as in `_beat`: the record, not the heartbeat, says how the run ended
             print(f"heartbeat: cannot write the final {HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
 
@@ -313,8 +321,8 @@ def exit_status(exc: BaseException) -> int:
 
 @contextlib.contextmanager
 def driver_watch(run_dir: str):
-    """The driver's watch over a run while it waits on the workers: a `Heartbeat`, and SIGINT/SIGTERM raising
-    `Cancelled` (Ray's own handlers, which exit without closing the record, are put back afterwards). Whatever
+    """The driver's watch over a run while it waits on the workers (its heartbeat runs already, renewing the run
+    lease: `lease.hold`): SIGINT/SIGTERM raising `Cancelled` (Ray's own handlers, which exit without closing the record, are put back afterwards). Whatever
     ends the wait with an exception closes a still-`running` record (`evidence.close_if_running`): `cancelled`
     for a KeyboardInterrupt (which then propagates as `Cancelled`), else `failed`. A second signal ends the driver at
     once (the default action)."""
@@ -328,7 +336,6 @@ def driver_watch(run_dir: str):
 
     main = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
     before = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if main else {}
-    heartbeat = Heartbeat(run_dir).start()
     try:
         yield
     except KeyboardInterrupt as exc:
@@ -339,6 +346,64 @@ def driver_watch(run_dir: str):
         evidence.close_if_running(run_dir, "failed", exc)
         raise
     finally:
-        heartbeat.stop()
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+# --- the verdict --------------------------------------------------------------------------------
+
+LOGS_DIR = "logs"
+
+
+def attempt_logs(run_dir: str, started_at: float) -> str:
+    """`<run_dir>/logs/<driver start, UTC>/`: the worker tracebacks of the attempt whose driver started then."""
+    stamp = _dt.datetime.fromtimestamp(started_at, _dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return storage.join(run_dir, LOGS_DIR, stamp)
+
+
+def save_traceback(run_dir: str, started_at: float, rank: int, exc: BaseException) -> None:
+    """Appends `exc`'s traceback to this rank's log of the attempt (`attempt_logs`), where the driver's verdict
+    names it; a log that cannot be written is said on stderr, never raised over `exc`."""
+    import traceback
+
+    path = storage.join(attempt_logs(run_dir, started_at), f"rank{rank}.log")
+    text = f"{_now().isoformat(timespec='seconds')} rank {rank}, pid {os.getpid()}, host {socket.gethostname()}\n"
+    text += "".join(traceback.format_exception(exc))
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            text = storage.read_text(path) + "\n" + text  # a Ray Train retry of the same attempt
+        storage.write_atomic(path, text)
+    except Exception as e:
+        print(f"cannot write {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+_RESUME = "rerun; it resumes from its newest complete checkpoint, if any"
+_NEXT = {  # (class, reason or None for any): what to do before the command
+    ("infrastructure", "disk_full"): f"free space on the run's storage, then {_RESUME}",
+    ("infrastructure", "preflight"): "fix what the preflight names (the cluster's network, or preflight.expect), "
+                                     "then rerun",
+    ("infrastructure", None): _RESUME,
+    ("config", None): "fix the config field the cause names (or choose a new run name), then rerun",
+    ("data", None): "fix the data row or source the cause names, then rerun",
+    ("cancelled", None): _RESUME,
+}
+
+
+def verdict(run_dir: str, status: str, err: dict | None, fallback: str, command: str, logs: list[str]) -> str:
+    """The driver's last words on a run that did not succeed, at most 5 lines: the status and class, the one-line
+    cause, the run directory with the worker logs, and the next command."""
+    err = err or describe(fallback)
+    where = ", ".join(f"{k} {err[k]}" for k in ("step", "rank") if err.get(k) is not None)
+    cause = " ".join(str(err.get("message") or fallback).split())
+    lines = [f"run {status}: {err.get('class')}/{err.get('reason')}{' at ' + where if where else ''}",
+             f"cause: {cause[:400]}{'...' if len(cause) > 400 else ''}",
+             f"run directory: {run_dir} (run.json)"]
+    if logs:
+        lines.append(f"worker tracebacks: {', '.join(logs)}")
+    cls, reason = err.get("class"), err.get("reason")
+    todo = _NEXT.get((cls, reason)) or _NEXT.get((cls, None))
+    if todo:
+        lines.append(f"next: {todo}: {command}")
+    else:  # a model's or an unknown failure: look at the run before running it again
+        lines.append(f"next: read the run's report and logs: python -m job report {run_dir}")
+    return "\n".join(lines)

@@ -151,7 +151,8 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
 
 def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = None,
             startup: dict[str, float] | None = None) -> LoopConfig:
-    """Work done once, before the workers start: save the resolved config and train a tokenizer if asked.
+    """Work done once, before the workers start: save the resolved config (`evidence.config_file`: beside a
+    finished run's own) and train a tokenizer if asked.
 
     Returns what every worker's loop gets, with `started_at` (when the driver started; now if not given) and
     `startup` (when each of the driver's startup steps ended, `prepare` added here). Raises `CheckpointError`
@@ -160,9 +161,6 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
     """
     started_at = time.time() if started_at is None else started_at
     checkpoint_lib.check_before_start(cfg, run_dir)
-    if (abandoned := evidence.abandon_stale(run_dir)) is not None:
-        print(f"run.json of the attempt started at {abandoned['started_at']} was still running, its driver's "
-              f"heartbeat stale: marked abandoned ({abandoned['error']['message']})", flush=True)
     if checkpoint_lib.retire_ray_snapshot(run_dir):
         print(f"removed {checkpoint_lib.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
               "directory itself", flush=True)
@@ -171,7 +169,7 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
     corpus = data_lib.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
     fs, path = storage.filesystem(run_dir)
     fs.makedirs(path, exist_ok=True)
-    storage.write_atomic(storage.join(run_dir, "config.yaml"), config_lib.to_yaml(cfg))
+    storage.write_atomic(storage.join(run_dir, evidence.config_file(run_dir)), config_lib.to_yaml(cfg))
     loop_config = LoopConfig(cfg, run_dir, started_at)
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
@@ -194,6 +192,7 @@ def connect_ray(cfg: config_lib.RunConfig) -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level="WARNING")
+        _connected.append(True)
     if not sys.stderr.isatty():  # nor around the prefixes of the workers' progress bars the driver draws there
         from ray.experimental import tqdm_ray
 
@@ -206,6 +205,20 @@ def connect_ray(cfg: config_lib.RunConfig) -> None:
             f"scaling.num_workers: {cfg.scaling.num_workers} workers of {{{shown}}} each cannot be placed: this "
             f"Ray cluster can hold at most {capacity} (whole workers per node, its autoscaler's maximum included); "
             "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
+
+
+_connected: list[bool] = []  # whether `connect_ray` connected this process (not its caller, e.g. a test's Ray)
+
+
+def disconnect_ray() -> None:
+    """Ends the connection to Ray that `connect_ray` made (an embedded Ray stops with it), and with it Ray's
+    forwarding of the workers' output to this process: what the driver prints afterwards comes last."""
+    import ray
+
+    if _connected and ray.is_initialized():
+        ray.shutdown()
+        _connected.clear()
+    sys.stdout.flush()
 
 
 def worker_resources(cfg: config_lib.RunConfig) -> dict[str, float]:
@@ -401,7 +414,7 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
 def recorded_ending(run_dir: str) -> str:
     """The record's error as its first line: what the workers knew (a hang, a preemption) where Ray saw only a
     lost worker."""
-    error = failures.one_line(evidence.load_record(run_dir).get("error"))
+    error = failures.one_line(evidence.load_latest(run_dir).get("error"))
     return f"run.json: {error}\n" if error else ""
 
 

@@ -213,6 +213,8 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
         digest += f" ({image['reason']})"
     rows = [
         ("Status", rec.get("status", "-") + (f" — {failures.one_line(rec['error'])}" if rec.get("error") else "")),
+        ("Attempts", 1 + len(rec.get("previous_attempts") or []) + len(rec.get("later_attempts") or [])),
+        ("Later attempts", evidence.later_attempts_line(rec) or "-"),
         ("Started", rec.get("started_at")),
         ("Ended", rec.get("ended_at")),
         ("Duration", _duration(rec.get("duration_s"))),
@@ -324,7 +326,11 @@ def main(argv: list[str]) -> int:
     summary = evidence.summarize_metrics(rows) if rows else ((record or {}).get("metrics") or {})
     name = (record or {}).get("run_name") or os.path.basename(args.run_dir.rstrip("/"))
     out = args.out or (f"./{name}-report" if storage.is_remote(args.run_dir) else args.run_dir)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        print(f"report: --out {out}: cannot create the directory ({exc.strerror})", file=sys.stderr)
+        return 2
 
     plots: list[str] = []
     status = 0

@@ -39,11 +39,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 from . import failures, packages, storage
-from .evidence import CLOSED_STATUSES, METRICS_FILE, RUN_RECORD, schema_path
+from .evidence import CLOSED_STATUSES, METRICS_FILE, RUN_RECORD, check_types, later_attempts_line, schema_path
 
 STATUSES = ("running", "stale", "starting", *CLOSED_STATUSES, "unreadable")
-RUN_FILES = (RUN_RECORD, METRICS_FILE, "config.yaml", failures.HEARTBEAT_FILE)
-"""Files that make a directory a run directory (with `checkpoint_*`): the driver writes config.yaml first."""
+RUN_FILES = (RUN_RECORD, METRICS_FILE, "config.yaml", failures.HEARTBEAT_FILE, "lease.json")
+"""Files that make a directory a run directory (with `checkpoint_*`): the driver writes lease.json first."""
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A bare run name (config.RunConfig.name's pattern); anything else given to `resolve_run` is a path."""
 OPERATORS = ("!=", "<=", ">=", "=", "<", ">", "~")
@@ -116,6 +116,7 @@ def parse_record(data: bytes) -> dict:
     status = record.get("status")
     if status not in ("running", *CLOSED_STATUSES):
         raise ValueError(f"{RUN_RECORD} has no valid status ({status!r}): not a run record")
+    check_types(record, RUN_RECORD)
     return record
 
 
@@ -127,16 +128,16 @@ def from_record(name: str, path: str, record: dict) -> Run:
         task, result = sorted(tasks.items())[0]
         score = _get(result, "exact_match")
     error = record.get("error")
-    previous = record.get("previous_attempts")
+    previous, later = record.get("previous_attempts"), record.get("later_attempts")
     return Run(
         name=name, path=path, status=record["status"],
         started=record.get("started_at"), ended=record.get("ended_at"),
-        attempts=1 + (len(previous) if isinstance(previous, list) else 0),
+        attempts=1 + sum(len(a) for a in (previous, later) if isinstance(a, list)),
         steps=_get(record, "metrics", "steps"), goodput=_get(record, "time", "goodput"),
         eval_loss=_get(record, "metrics", "final_eval_loss"), task=task, task_score=score,
         chart=_known(_get(record, "chart", "version")), image=_known(_get(record, "image", "digest")),
         failure=(f"{error.get('class')}/{error.get('reason')}" if isinstance(error, dict) else error) or None,
-        record=record)
+        reason=later_attempts_line(record), record=record)
 
 
 def _judge_running(run: Run) -> None:
@@ -397,7 +398,8 @@ def _cells(run: Run) -> list[str]:
             "-" if run.attempts is None else str(run.attempts), "-" if run.steps is None else str(run.steps),
             pct(run.goodput), f"{run.eval_loss:.4g}" if isinstance(run.eval_loss, (int, float)) else "-",
             f"{run.task} {pct(run.task_score)}" if run.task else "-", run.chart or "-", image,
-            run.reason if run.status in ("stale", "starting", "unreadable") else (run.failure or "-")]
+            run.reason if run.status in ("stale", "starting", "unreadable")
+            else "; ".join(filter(None, (run.failure, run.reason))) or "-"]
 
 
 HEADER = ["NAME", "STATUS", "STARTED (UTC)", "ENDED (UTC)", "ATTEMPTS", "STEPS", "GOODPUT", "EVAL LOSS", "TASK",

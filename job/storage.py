@@ -127,3 +127,33 @@ def write_atomic(uri: str, data: bytes | str) -> None:
         if isinstance(e, OSError) and e.filename is None:  # a full disk's ENOSPC from write() names no file
             e.filename = path
         raise
+
+
+def create_exclusive(uri: str, data: bytes | str) -> bool:
+    """Writes a whole small file only if none is there; False if one is (another writer's, whole). Locally the file
+    is written beside its target and hard-linked into place, which fails if the target exists (atomic on local
+    filesystems and NFS alike); on S3 it is a PUT with `If-None-Match: *` (S3's conditional write). A filesystem
+    with neither raises, rather than letting two writers both believe they created the file."""
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    if is_remote(uri):
+        fs, path = filesystem(uri)
+        try:
+            fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+    path = local_path(uri)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    return True

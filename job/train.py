@@ -70,6 +70,7 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
             preflight = preflight_lib.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT,
                                                     device, log_dir=nccl_log_dir)
     except preflight_lib.PreflightError as exc:
+        failures.save_traceback(run_dir, loop_config.started_at, rank, exc)
         if rank == 0:
             record = evidence.start_record(run_dir, preflight=exc.result, **record_args)
             evidence.finish_record(run_dir, record, status="failed", error=exc, rank=rank)
@@ -86,6 +87,8 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
         results = fit(loop_config, launcher, device, record, timeline)
     except BaseException as exc:
         preempted = isinstance(exc, failures.Preempted)
+        if not preempted:
+            failures.save_traceback(run_dir, loop_config.started_at, rank, exc)
         if record:  # a Ctrl-C in a terminal reaches the workers too: cancelled, not failed
             status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
             saved = {"checkpoints": {"dir": run_dir, "latest": exc.checkpoint, "keep_last": cfg.checkpoint.keep_last}

@@ -4,6 +4,7 @@
 import contextlib
 import datetime as dt
 import errno
+import glob
 import json
 import os
 import signal
@@ -188,8 +189,9 @@ def _driver(tmp_path, name, workers=1, max_failures=0, **sections):
 def test_lost_rank0_ends_failed_worker_lost(tmp_path):
     cmd, env, run_dir = _driver(tmp_path, "lost", train={"max_steps": 20, "warmup_steps": 1},
                                 checkpoint={"every_steps": 10}, debug={"fail_at_step": 15, "fail_rank": 0})
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=400)
+    assert proc.returncode == 1, proc.stdout[-3000:]
     record = evidence.load_record(run_dir)
     validate(record)
     assert record["status"] == "failed" and record["ended_at"], record["error"]
@@ -197,6 +199,13 @@ def test_lost_rank0_ends_failed_worker_lost(tmp_path):
         ("infrastructure", "worker_lost", 0)
     # Killed at step 15, before logging it: the last step seen is the last logged (logging.every_steps 5).
     assert record["error"]["step"] == record["metrics"]["steps"] == 10
+    # The verdict is the last thing printed, after Ray's own output: at most 5 lines.
+    lines = proc.stdout.strip().splitlines()
+    verdict = lines[max(i for i, line in enumerate(lines) if line.startswith("run failed: ")):]
+    assert len(verdict) <= 5 and verdict[0] == "run failed: infrastructure/worker_lost at step 10, rank 0", lines[-30:]
+    assert verdict[1].startswith("cause: ") and f"run directory: {run_dir} (run.json)" in verdict
+    assert verdict[-1] == ("next: rerun; it resumes from its newest complete checkpoint, if any: "
+                           f"python -m job --config {cmd[-1]}"), verdict
 
 
 def _wait_for(predicate, timeout_s: float, what: str):
@@ -282,6 +291,10 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
     assert "heartbeat stale: marked abandoned" in again.stdout, again.stdout[-3000:]
     record = evidence.load_record(run_dir)
     validate(record)
+    # The dead driver's lease, taken over and said so in the record.
+    assert f"took over the stale lease of host {record['lease']['host']}, pid {proc.pid}," in again.stdout
+    assert record["lease"]["took_over"]["pid"] == proc.pid and "is gone from this host" in \
+        record["lease"]["took_over"]["stale"], record["lease"]
     assert record["status"] == "succeeded" and record["error"] is None, record["error"]
     assert record["extra"]["resumed_from"]["step"] == resume_at >= saved_step
     assert record["metrics"]["steps"] == resume_at + 2
@@ -406,6 +419,8 @@ def test_exception_in_the_loop_ends_failed_with_the_rank_and_step(tmp_path, ray_
     assert (err["class"], err["reason"], err["exception"], err["rank"], err["step"]) == \
         ("unknown", "exception", "RuntimeError", 1, 5), err
     assert "injected failure at step 6" in err["message"] and "rank 1" in message
+    (log,) = glob.glob(str(tmp_path / "runs" / "raise" / "logs" / "*" / "rank1.log"))  # its traceback, in the run
+    assert "Traceback (most recent call last)" in open(log).read() and "injected failure at step 6" in open(log).read()
 
 
 def test_disk_full_during_a_save_ends_failed_infrastructure_disk_full(tmp_path, ray_cluster):
@@ -566,12 +581,13 @@ def test_bad_data_row_after_the_run_directory_exists_is_recorded_by_the_driver(t
     assert "train.jsonl:51" in err["message"] and record["config"]["data"]["format"] == "text"
 
 
-def test_refused_resumes_are_config_errors_and_a_refusal_before_any_worker_keeps_a_trained_runs_record(
+def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_with_the_refusals_listed(
         tmp_path, ray_cluster, capsys):
     from job.__main__ import main
 
     record, error, run_dir = _run(tmp_path, "refused", train={"max_steps": 4, "warmup_steps": 1})
     assert error is None and record["status"] == "succeeded"
+    trained_config = open(os.path.join(run_dir, "config.yaml")).read()
     path = tmp_path / "refused.yaml"
     path.write_text(yaml.safe_dump(record["config"]))
     # The driver refuses before any worker starts. A new run name gets a failed record of the refusal ...
@@ -582,19 +598,36 @@ def test_refused_resumes_are_config_errors_and_a_refusal_before_any_worker_keeps
     assert (fresh["status"], err["class"], err["reason"], err["exception"], err["step"], err["rank"]) == \
         ("failed", "config", "resume_refused", "ResumeRefused", None, None), err
     assert f"checkpoint.resume: no checkpoint at {tmp_path}/none" in err["message"] and fresh["ended_at"]
-    # ... while a run that trained keeps its record: nothing of it changed, and the refused config is not its own.
+    # ... while a finished run keeps its record (status, config, results): the refusal is a later attempt beside it.
     assert main(["--config", str(path), "--set", "checkpoint.resume=never", "--set", "train.max_steps=8"]) == 1
-    assert evidence.load_record(run_dir) == record
-    assert "run.json is left as it was" in capsys.readouterr().err
-    # Another seed is refused by the workers, once this attempt's record is open: it fails as a config error,
-    # the earlier attempt kept in previous_attempts.
+    # Another seed is refused by the workers, once this attempt's record is open: the same.
     refused, error, _ = _run(tmp_path, "refused", train={"max_steps": 8, "warmup_steps": 1, "seed": 1})
-    err = refused["error"]
-    assert (refused["status"], err["class"], err["reason"], err["exception"], err["rank"]) == \
+    assert "would not continue the same run (train.seed: checkpoint 0, now 1)" in error
+    validate(refused)
+    assert {k: v for k, v in refused.items() if k != "later_attempts"} == \
+        {k: v for k, v in record.items() if k != "later_attempts"}
+    assert open(os.path.join(run_dir, "config.yaml")).read() == trained_config
+    assert [(a["status"], a["error"]["reason"], a["record"]) for a in refused["later_attempts"]] == \
+        [("failed", "resume_refused", "attempts/2/run.json"), ("failed", "resume_refused", "attempts/3/run.json")]
+    assert "seed: 1" in open(os.path.join(run_dir, "attempts", "3", "config.yaml")).read()
+    attempt = json.load(open(os.path.join(run_dir, "attempts", "3", "run.json")))
+    validate(attempt)
+    err = attempt["error"]
+    assert (attempt["status"], err["class"], err["reason"], err["exception"], err["rank"]) == \
         ("failed", "config", "resume_refused", "ResumeRefused", 0), err
-    assert "would not continue the same run (train.seed: checkpoint 0, now 1)" in err["message"], err["message"]
-    assert [(a["status"], a["started_at"]) for a in refused["previous_attempts"]] == \
-        [("succeeded", record["started_at"])]
+    assert [(a["status"], a["started_at"]) for a in attempt["previous_attempts"]][0] == \
+        ("succeeded", record["started_at"])
+    # runs, report and compare show the run as it finished, with the refused attempts listed.
+    from job import report, runs
+
+    capsys.readouterr()
+    assert runs.main([str(tmp_path / "runs"), "--name", "refused"]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row.split()[1] == "succeeded" and "later attempts: 2 failed config/resume_refused" in row, row
+    assert report.main([run_dir, "--out", str(tmp_path / "report"), "--no-plots"]) == 0
+    assert "| Later attempts | later attempts: 2 failed" in (tmp_path / "report" / "report.md").read_text()
+    assert evidence.compare_main([run_dir, run_dir]) == 0
+    assert "(refused, succeeded; later attempts: 2 failed" in capsys.readouterr().out
 
 
 def test_async_saves_first_write_is_not_slower_and_each_completes_within_an_interval(tmp_path, ray_cluster):
@@ -660,10 +693,82 @@ def test_the_ray_cluster_going_away_under_the_driver_ends_failed_cluster_lost(tm
         for pid in cluster_pids():
             os.kill(pid, signal.SIGKILL)
     output = (tmp_path / "driver.log").read_text()
-    assert proc.returncode == 1 and "run failed: Ray Train's controller is unreachable" in output, output[-3000:]
+    assert proc.returncode == 1 and "run failed: infrastructure/cluster_lost" in output, output[-3000:]
+    assert "cause: ClusterLost: Ray Train's controller is unreachable" in output, output[-3000:]
     record = evidence.load_record(run_dir)
     validate(record)
     assert record["status"] == "failed" and record["ended_at"], record["error"]
     err = record["error"]
     assert (err["class"], err["reason"], err["exception"]) == ("infrastructure", "cluster_lost", "ClusterLost"), err
     assert err["step"] >= 2 and err["step"] == record["metrics"]["steps"]
+
+
+# --- one run, one writer (issue 43) ---------------------------------------------------------------
+
+
+def _lease_cases(tmp_path, s3_env, monkeypatch):
+    """The run directory to take leases in: a local path, or a moto S3 bucket when `s3_env` is given."""
+    if s3_env is None:
+        return str(tmp_path / "r")
+    import s3fs
+
+    for key, value in s3_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    return "s3://runs/leased"
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_live_lease_refuses_a_second_driver_and_a_stale_one_is_taken_over(tmp_path, monkeypatch, backend, request):
+    from job import lease as lease_lib
+    from job import storage
+
+    run_dir = _lease_cases(tmp_path, request.getfixturevalue("s3_endpoint") if backend == "s3" else None,
+                           monkeypatch)
+    first = lease_lib.acquire(run_dir)
+    assert first["took_over"] is None and lease_lib.read(run_dir)["id"] == first["id"]
+    failures.write_heartbeat(run_dir, lease=first["id"])
+    with pytest.raises(lease_lib.LeaseHeld) as refused:
+        lease_lib.acquire(run_dir)
+    message = str(refused.value)
+    assert "\n" not in message and f"pid {os.getpid()}" in message and first["started_at"] in message, message
+    assert "lease.json" in message and "60 s old" in message, message
+    assert lease_lib.read(run_dir)["id"] == first["id"]  # the refused one wrote nothing
+    # The holder's heartbeat goes stale: the next driver takes the lease over and names the one it replaced.
+    beat = json.loads(storage.read_text(storage.join(run_dir, failures.HEARTBEAT_FILE)))
+    beat["at"] = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=300)).isoformat(timespec="seconds")
+    storage.write_atomic(storage.join(run_dir, failures.HEARTBEAT_FILE), json.dumps(beat))
+    second = lease_lib.acquire(run_dir)
+    assert second["took_over"]["id"] == first["id"] and "s old (timeout 60 s)" in second["took_over"]["stale"], second
+    assert lease_lib.read(run_dir) == second
+    lease_lib.release(run_dir, first)  # a stale holder's release leaves the new lease alone
+    assert lease_lib.read(run_dir)["id"] == second["id"]
+    lease_lib.release(run_dir, second)
+    assert lease_lib.read(run_dir) is None
+
+
+def test_two_drivers_of_one_run_at_once_one_is_refused_before_writing_anything(tmp_path):
+    cmd, env, run_dir = _driver(tmp_path, "twice", train={"max_steps": 6, "warmup_steps": 1},
+                                checkpoint={"every_steps": 3, "export": False})
+    with open(tmp_path / "a.log", "w") as a_log, open(tmp_path / "b.log", "w") as b_log:
+        drivers = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                   for log in (a_log, b_log)]
+        try:
+            codes = [p.wait(timeout=400) for p in drivers]
+        finally:
+            for p in drivers:
+                p.kill()
+    logs = [(tmp_path / f"{x}.log").read_text() for x in "ab"]
+    assert sorted(codes) == [0, 2], (codes, [log[-2000:] for log in logs])
+    winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
+    refusal = logs[loser].strip().splitlines()[-1]
+    assert refusal.startswith(f"refused: run {run_dir} is being written by another driver (host ")
+    assert f"pid {drivers[winner].pid}," in refusal and "lease.json" in refusal, refusal
+    assert "# resolved config" not in logs[loser]  # refused before anything else
+    record = evidence.load_record(run_dir)
+    validate(record)
+    assert record["status"] == "succeeded" and record["previous_attempts"] == [] and record["later_attempts"] == []
+    assert record["lease"]["pid"] == drivers[winner].pid and record["lease"]["took_over"] is None
+    assert not os.path.exists(os.path.join(run_dir, "lease.json"))  # released at the end
+    assert not os.path.exists(os.path.join(run_dir, "attempts"))

@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
-from conftest import REPO
+from conftest import REPO, tiny_run_config
 from job import evidence, failures, report, runs
 
 DIGEST = "sha256:" + "ab" * 32
@@ -266,3 +267,53 @@ def test_lists_runs_on_s3(s3_endpoint, storage, base_record, monkeypatch, capsys
     assert code == 2 and out == "" and err == (
         "runs: s3://runs/idx: no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
         "or run where an IAM role provides them)\n")
+
+
+CLI_MISTAKES = {
+    "runs on a file": ["runs", "{file}"],
+    "runs on nothing": ["runs", "{tmp}/nope"],
+    "report on a list": ["report", "{list_run}"],
+    "report on a wrongly typed record": ["report", "{typed_run}"],
+    "report into a file": ["report", "{good_run}", "--out", "{file}"],
+    "report on nothing": ["report", "{tmp}/nope"],
+    "compare a list": ["compare", "{list_run}", "{good_run}"],
+    "compare a wrongly typed record": ["compare", "{good_run}", "{typed_run}"],
+    "compare a file": ["compare", "{file}", "{good_run}"],
+    "accept nothing": ["accept", "{tmp}/nope"],
+    "accept a file": ["accept", "{file}"],
+    "accept a run directory": ["accept", "{good_run}"],
+    "schema with an argument": ["schema", "extra"],
+    "config a directory": ["--config", "{tmp}"],
+    "config a list": ["--config", "{list_yaml}"],
+    "config nothing": ["--config", "{tmp}/nope.yaml"],
+    "set without =": ["--config", "{config}", "--set", "train.max_steps"],
+    "set an unknown key": ["--config", "{config}", "--set", "train.max_stepz=3"],
+    "set a section to a number": ["--config", "{config}", "--set", "train=3"],
+    "set a number to text": ["--config", "{config}", "--set", "train.max_steps=abc"],
+    "set a number to a list": ["--config", "{config}", "--set", "train.max_steps=[1]"],
+    "set a list to a number": ["--config", "{config}", "--set", "train.betas=0.9"],
+    "storage a file": ["--config", "{config}", "--set", "storage_path={file}"],
+    "set a value that is not YAML": ["--config", "{config}", "--set", "train.lr=[1"],
+    "set below a number": ["--config", "{config}", "--set", "train.lr.x=1"],
+    "set an empty key": ["--config", "{config}", "--set", "=1"],
+}
+
+
+@pytest.mark.parametrize("argv", CLI_MISTAKES.values(), ids=CLI_MISTAKES.keys())
+def test_every_verb_answers_a_mistake_with_one_line_and_a_failing_status(argv, storage, tmp_path, capsys):
+    """What an operator may type wrong: one line on stderr naming what is wrong, exit status not 0, no traceback."""
+    from job.__main__ import main
+
+    good = storage / "gsm8k-a"
+    for name, record in (("list_run", [1]), ("typed_run", {**json.loads((good / "run.json").read_text()),
+                                                            "metrics": [1]})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps(record))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tiny_run_config(tmp_path)))
+    paths = {"tmp": tmp_path, "file": tmp_path / "file", "list_run": tmp_path / "list_run", "good_run": good,
+             "typed_run": tmp_path / "typed_run", "list_yaml": tmp_path / "list.yaml", "config": tmp_path / "run.yaml"}
+    code = main([arg.format(**paths) for arg in argv])
+    err = capsys.readouterr().err.strip()
+    assert code not in (0, None) and len(err.splitlines()) == 1 and "Traceback" not in err, (code, err)
