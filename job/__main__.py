@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except failures.Cancelled as e:
         print(f"run cancelled: {e}\nrun directory: {run_dir}", file=sys.stderr)
         return failures.exit_status(e)
+    finally:
+        launch.finish_tracking(loop_config)
     print(f"run directory: {run_dir}", flush=True)
     if error:
         print(f"run failed: {error}", file=sys.stderr)

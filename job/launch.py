@@ -25,7 +25,7 @@ from . import config as config_lib
 from . import data as data_lib
 from . import evidence, failures
 from . import export as export_lib
-from . import storage
+from . import storage, tracking
 from .metrics import progress_style
 
 # The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
@@ -79,6 +79,9 @@ class LoopConfig:
     tokenizer_json: str | None = None
     """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
     a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
+    mlflow_run_id: str | None = None
+    """The run's MLflow run (`tracking.start`), which rank 0 logs its metrics to; None without
+    `logging.mlflow.tracking_uri`."""
 
 
 def run_directory(cfg: config_lib.RunConfig) -> str:
@@ -173,6 +176,8 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
     fs.makedirs(path, exist_ok=True)
     storage.write_atomic(storage.join(run_dir, "config.yaml"), config_lib.to_yaml(cfg))
     loop_config = LoopConfig(cfg, run_dir, started_at)
+    if cfg.logging.mlflow.tracking_uri and os.environ.get("RANK", "0") == "0":
+        loop_config.mlflow_run_id = tracking.start(cfg, run_dir)
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
@@ -505,6 +510,13 @@ def run_with_torchrun(loop_config: LoopConfig) -> None:
         failures.stop_catching_preemption()
         if dist.is_initialized():
             dist.destroy_process_group()
+        finish_tracking(loop_config)
+
+
+def finish_tracking(loop_config: LoopConfig) -> None:
+    """Ends the attempt's MLflow run (`tracking.finish`), when there is one."""
+    if loop_config.mlflow_run_id:
+        tracking.finish(loop_config.cfg.logging.mlflow.tracking_uri, loop_config.run_dir, loop_config.mlflow_run_id)
 
 
 def under_torchrun() -> bool:
