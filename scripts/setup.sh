@@ -13,7 +13,7 @@ install() {  # venv-dir python requirements-file
   echo "setup: pip install -r $3 into $1 ..." >&2
   local t0=$SECONDS
   "$1/bin/python" -m pip install --quiet --disable-pip-version-check -r "$3"
-  echo "setup: $1 ready ($((SECONDS - t0)) s, $(du -sh "$1" | cut -f1))" >&2
+  echo "setup: $1 ready ($((SECONDS - t0)) s, $(du -sh "$1/" | cut -f1))" >&2
 }
 case "${1:-}" in
   --image)

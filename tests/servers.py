@@ -8,6 +8,7 @@ import contextlib
 import functools
 import http.server
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -110,11 +111,17 @@ def mlflow_server(root: Path) -> Iterator[str]:
         yield MlflowServer(f"http://127.0.0.1:{port}", process)
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # uvicorn's graceful shutdown on a loaded machine
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
 
 
 class MlflowServer(str):
-    """A tracking server's URL, with its process (to stop it mid-run)."""
+    """A tracking server's URL, with its process, which leads its own process group (its uvicorn workers are
+    children: `os.killpg` stops them all)."""
 
     def __new__(cls, url: str, process: subprocess.Popen):
         self = super().__new__(cls, url)

@@ -3,6 +3,8 @@ store): a missing package or an unreachable server is one line at start; a serve
 warning and never the training. The run's own MLflow run, over a killed and resumed run, is checked in
 test_failures.py (`check_mlflow_run`)."""
 
+import os
+import signal
 import sys
 
 import pytest
@@ -49,7 +51,7 @@ def test_a_server_that_dies_mid_run_warns_once_and_never_fails_the_run(tmp_path,
         sink.log(1, {"train/loss": 2.5}, 1000.0)
         [point] = mlflow.MlflowClient(str(server)).get_metric_history(run_id, "train/loss")
         assert (point.step, point.value, point.timestamp) == (1, 2.5, 1_000_000)
-        server.process.terminate()
+        os.killpg(server.process.pid, signal.SIGKILL)  # the server and its workers, gone at once
         server.process.wait(timeout=30)
         capsys.readouterr()
         for step in (2, 3):
