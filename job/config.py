@@ -350,7 +350,8 @@ class LoggingConfig:
     progress_bar: Literal["auto", "on", "off"] = "auto"
     """Progress bar of the training steps: under Ray the driver draws it (`ray.experimental.tqdm_ray`: the workers'
     stderr is never a terminal), under torchrun rank 0 on its stderr; `auto` shows it only when that stream is a
-    terminal, so redirected output gets no bar redraws; `on` always."""
+    terminal, so redirected output gets no bar redraws; `on` always. A terminal with no width (`script` without a
+    terminal of its own) counts as none: tqdm draws nothing there."""
     peak_flops: Optional[float] = None
     """Peak dense bf16 FLOP/s per device for MFU; defaults to a table keyed by device name."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)

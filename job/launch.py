@@ -26,7 +26,7 @@ from . import data as data_lib
 from . import evidence, failures
 from . import export as export_lib
 from . import storage, tracking
-from .metrics import progress_style
+from .metrics import is_terminal, progress_style
 
 # The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
 # driver only launches it, and those imports took ~5 of its ~10 s on 2 cores.
@@ -316,7 +316,7 @@ class TorchrunLauncher(Launcher):
         return device
 
     def progress_style(self, setting: str) -> str | None:
-        return progress_style(setting, terminal=sys.stderr.isatty(), via_ray_driver=False)
+        return progress_style(setting, terminal=is_terminal(sys.stderr), via_ray_driver=False)
 
 
 def ray_loop_config(loop_config: LoopConfig) -> dict:
@@ -324,7 +324,7 @@ def ray_loop_config(loop_config: LoopConfig) -> dict:
     as its dict), with whether the driver's stderr is a terminal (`RayLauncher.driver_tty`). The one conversion,
     with `ray_worker_args`, which reads it back in each worker."""
     fields = {f.name: getattr(loop_config, f.name) for f in dataclasses.fields(loop_config)}
-    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": sys.stderr.isatty()}
+    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": is_terminal(sys.stderr)}
 
 
 def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:

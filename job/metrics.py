@@ -115,6 +115,18 @@ class TensorBoardLog:
         self.writer.close()
 
 
+def is_terminal(stream) -> bool:
+    """Whether a progress bar drawn on `stream` can be seen: a terminal with a width. A pseudo-terminal without one
+    (0 columns: `script` run with no terminal of its own) is a terminal to `isatty`, but tqdm, which sizes its bar to
+    the width, draws nothing there."""
+    if not stream.isatty():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # a stream with no file descriptor (tests' stand-ins)
+        return True
+
+
 class MetricsLogger:
     """Writes metric records as JSON lines to stdout and to `<run_dir>/metrics.jsonl` (rank 0 only), and their
     numbers (`scalars`) to TensorBoard event files (`TensorBoardLog`) and to each of `sinks` (objects with
