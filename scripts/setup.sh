@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the virtual environments on a fresh machine; idempotent.
-#   scripts/setup.sh          .venv: runtime only, pinned (CPU torch; enough to run the job locally)
+#   scripts/setup.sh          .venv: runtime only, pinned (PyPI torch: the CUDA build, run on CPU; enough to run
+#                             the job locally)
 #   scripts/setup.sh --dev    .venv plus test tooling, a pinned helm binary in .tools/bin, and .venv-mlflow: the
 #                             MLflow tracking server the tests start (apart: it needs older packages than .venv)
 #   scripts/setup.sh --image  .venv-image: the Ray image's library versions (requirements-image.txt) on Python
