@@ -5,7 +5,8 @@ Modules, one concern each (flat, because the chart ships them in a ConfigMap):
 `loss` (chunked cross-entropy), `compile_cache` (compiled code kept on the runs' storage), `train` (the
 per-worker loop: build → train → finish), `evaluate` (held-out loss,
 generation, task evaluation), `checkpoint` (asynchronous save, resume), `export` (the checked Hugging Face export),
-`metrics` (MFU, metric log, time accounting and goodput, one-step profiler), `nccl` (transport from NCCL's log),
+`metrics` (MFU, metric log and TensorBoard files, time accounting and goodput, one-step profiler),
+`tracking` (MLflow), `nccl` (transport from NCCL's log),
 `environment` (worker inventory, image digest), `preflight` (bandwidth and transport checks),
 `packages` (optional packages: s3fs, datasets), `evidence` (run record, compare), `runs` (the run index),
 `report` (markdown and plots), `launch` (driver: Ray Train or torchrun, and the `Launcher` the loop calls), `__main__` (CLI).

@@ -131,6 +131,8 @@ def _run(args: argparse.Namespace, imported_at: float, held: contextlib.ExitStac
     except failures.Cancelled as e:
         _verdict(run_dir, "cancelled", str(e), loop_config)
         return failures.exit_status(e)
+    finally:
+        launch.finish_tracking(loop_config)
     if error:
         _verdict(run_dir, "failed", error, loop_config)
         return 1

@@ -333,15 +333,30 @@ class EvalConfig:
 
 
 @dataclass
+class MlflowConfig:
+    tracking_uri: Optional[str] = None
+    """MLflow tracking server (`http://mlflow.mlflow:5000`), or None for no MLflow. Set, the run logs its config
+    as params, every metric of metrics.jsonl at its step, and at the end tags (status, failure class, image digest,
+    chart version) and artifacts (run.json, report.md) to one MLflow run named after the run; a resumed attempt
+    continues it (`job/tracking.py`). Needs the `mlflow-skinny` package: the chart adds it to `runtimeEnv.pip`."""
+    experiment: str = "ray-finetune"
+    """MLflow experiment the run is logged under (created when missing)."""
+
+
+@dataclass
 class LoggingConfig:
     every_steps: int = constrained(10, minimum=1)
     """Log training metrics every N steps (the only host-device sync in the hot loop)."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
     """Progress bar of the training steps: under Ray the driver draws it (`ray.experimental.tqdm_ray`: the workers'
     stderr is never a terminal), under torchrun rank 0 on its stderr; `auto` shows it only when that stream is a
-    terminal, so redirected output gets no bar redraws; `on` always."""
+    terminal, so redirected output gets no bar redraws; `on` always. A terminal with no width (`script` without a
+    terminal of its own) counts as none: tqdm draws nothing there."""
     peak_flops: Optional[float] = None
     """Peak dense bf16 FLOP/s per device for MFU; defaults to a table keyed by device name."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """Where the metrics also go besides metrics.jsonl and the TensorBoard event files (`<run dir>/tensorboard/`,
+    always written)."""
 
 
 @dataclass

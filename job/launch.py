@@ -25,8 +25,8 @@ from . import config as config_lib
 from . import data as data_lib
 from . import evidence, failures
 from . import export as export_lib
-from . import storage
-from .metrics import progress_style
+from . import storage, tracking
+from .metrics import is_terminal, progress_style
 
 # The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
 # driver only launches it, and those imports took ~5 of its ~10 s on 2 cores.
@@ -79,6 +79,9 @@ class LoopConfig:
     tokenizer_json: str | None = None
     """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
     a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
+    mlflow_run_id: str | None = None
+    """The run's MLflow run (`tracking.start`), which rank 0 logs its metrics to; None without
+    `logging.mlflow.tracking_uri`."""
 
 
 def run_directory(cfg: config_lib.RunConfig) -> str:
@@ -171,6 +174,8 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
     fs.makedirs(path, exist_ok=True)
     storage.write_atomic(storage.join(run_dir, evidence.config_file(run_dir)), config_lib.to_yaml(cfg))
     loop_config = LoopConfig(cfg, run_dir, started_at)
+    if cfg.logging.mlflow.tracking_uri and os.environ.get("RANK", "0") == "0":
+        loop_config.mlflow_run_id = tracking.start(cfg, run_dir)
     if cfg.model.train_tokenizer_vocab:
         tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
@@ -324,7 +329,7 @@ class TorchrunLauncher(Launcher):
         return device
 
     def progress_style(self, setting: str) -> str | None:
-        return progress_style(setting, terminal=sys.stderr.isatty(), via_ray_driver=False)
+        return progress_style(setting, terminal=is_terminal(sys.stderr), via_ray_driver=False)
 
 
 def ray_loop_config(loop_config: LoopConfig) -> dict:
@@ -332,7 +337,7 @@ def ray_loop_config(loop_config: LoopConfig) -> dict:
     as its dict), with whether the driver's stderr is a terminal (`RayLauncher.driver_tty`). The one conversion,
     with `ray_worker_args`, which reads it back in each worker."""
     fields = {f.name: getattr(loop_config, f.name) for f in dataclasses.fields(loop_config)}
-    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": sys.stderr.isatty()}
+    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": is_terminal(sys.stderr)}
 
 
 def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:
@@ -518,6 +523,13 @@ def run_with_torchrun(loop_config: LoopConfig) -> None:
         failures.stop_catching_preemption()
         if dist.is_initialized():
             dist.destroy_process_group()
+        finish_tracking(loop_config)
+
+
+def finish_tracking(loop_config: LoopConfig) -> None:
+    """Ends the attempt's MLflow run (`tracking.finish`), when there is one."""
+    if loop_config.mlflow_run_id:
+        tracking.finish(loop_config.cfg.logging.mlflow.tracking_uri, loop_config.run_dir, loop_config.mlflow_run_id)
 
 
 def under_torchrun() -> bool:

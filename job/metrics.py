@@ -1,5 +1,5 @@
-"""Throughput accounting (FLOPs per token, MFU), rank 0's metrics log (stdout JSON lines + metrics.jsonl), the
-run's time accounting and goodput (`Timeline`), and the one-step profiler (`debug.profile_step`): where the device
+"""Throughput accounting (FLOPs per token, MFU), rank 0's metrics log (stdout JSON lines, metrics.jsonl, TensorBoard
+event files and, when configured, MLflow), the run's time accounting and goodput (`Timeline`), and the one-step profiler (`debug.profile_step`): where the device
 time goes, by kernel category."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 import os
 import sys
 import tempfile
@@ -58,8 +59,78 @@ def progress_style(setting: str, terminal: bool, via_ray_driver: bool) -> str | 
     return "ray" if via_ray_driver else "tqdm"
 
 
+TENSORBOARD_DIR = "tensorboard"
+"""The run directory's folder of TensorBoard event files (`tensorboard --logdir <run dir>/tensorboard`)."""
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of one metrics record, named `<kind>/<field>` (`train/loss`, `eval/eval_loss`,
+    `task_eval/exact_match`, `time/goodput`), a nested map's as `<kind>/<field>/<key>` (`time/phases_s/train`):
+    what TensorBoard and MLflow plot at the record's step. Booleans, lists, text and non-finite values are left
+    out; records without a step (`start`) have none."""
+    out: dict[str, float] = {}
+
+    def add(name: str, value) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                add(f"{name}/{key}", inner)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[name] = float(value)
+
+    if "step" in record:
+        for key, value in record.items():
+            if key not in ("kind", "step", "time"):
+                add(f"{record['kind']}/{key}", value)
+    return out
+
+
+class TensorBoardLog:
+    """Rank 0's TensorBoard event file in `<run_dir>/tensorboard/`, one per attempt (tensorboardX, which the Ray
+    image ships). A resumed attempt's file starts with a purge at its first step, so TensorBoard hides what an
+    earlier attempt logged past the resume point, as metrics.jsonl drops it. Object storage gets the file
+    written in a local folder and uploaded whole after each record (event files are small); tensorboardX's own
+    S3 writer knows neither fsspec's endpoint settings nor atomic writes."""
+
+    def __init__(self, run_dir: str, purge_step: int):
+        from tensorboardX import SummaryWriter
+
+        self.remote = storage.join(run_dir, TENSORBOARD_DIR) if storage.is_remote(run_dir) else None
+        self.folder = (tempfile.mkdtemp(prefix="tensorboard-") if self.remote
+                       else os.path.join(storage.local_path(run_dir), TENSORBOARD_DIR))
+        self.writer = SummaryWriter(self.folder, purge_step=purge_step)
+
+    def log(self, record: dict) -> None:
+        values = scalars(record)
+        if not values:
+            return
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, record["step"], walltime=record["time"])
+        self.writer.flush()
+        if self.remote:
+            for name in os.listdir(self.folder):
+                with open(os.path.join(self.folder, name), "rb") as f:
+                    storage.write_atomic(storage.join(self.remote, name), f.read())
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def is_terminal(stream) -> bool:
+    """Whether a progress bar drawn on `stream` can be seen: a terminal with a width. A pseudo-terminal without one
+    (0 columns: `script` run with no terminal of its own) is a terminal to `isatty`, but tqdm, which sizes its bar to
+    the width, draws nothing there."""
+    if not stream.isatty():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # a stream with no file descriptor (tests' stand-ins)
+        return True
+
+
 class MetricsLogger:
-    """Writes metric records as JSON lines to stdout and to `<run_dir>/metrics.jsonl` (rank 0 only).
+    """Writes metric records as JSON lines to stdout and to `<run_dir>/metrics.jsonl` (rank 0 only), and their
+    numbers (`scalars`) to TensorBoard event files (`TensorBoardLog`) and to each of `sinks` (objects with
+    `log(step, scalars, time)` and `close()`: `tracking.MlflowMetrics`).
 
     The file is rewritten whole (atomically) at each record, so the same code writes local paths and object
     storage (which cannot append); metric logs are small. Existing lines are kept, so a resumed run continues
@@ -67,12 +138,16 @@ class MetricsLogger:
     are dropped, so steps recomputed after a resume appear once.
     """
 
-    def __init__(self, run_dir: str, max_steps: int, progress: str | None = None, keep_until_step: int | None = None):
+    def __init__(self, run_dir: str, max_steps: int, progress: str | None = None, keep_until_step: int | None = None,
+                 sinks: list | None = None):
         """`progress`: the progress bar's style (`progress_style`), None for none."""
         self.path = storage.join(run_dir, "metrics.jsonl")
         self.lines = storage.read_text(self.path).splitlines() if storage.exists(self.path) else []
         if keep_until_step is not None:
             self.lines = [line for line in self.lines if json.loads(line).get("step", 0) <= keep_until_step]
+        # A fresh start (step 0) hides all an earlier attempt logged, a resume what it logged past its step.
+        self.tensorboard = TensorBoardLog(run_dir, purge_step=keep_until_step + 1 if keep_until_step else 0)
+        self.sinks = sinks or []
         self.bar = None
         if progress == "ray":
             from ray.experimental.tqdm_ray import tqdm as ray_tqdm
@@ -89,6 +164,10 @@ class MetricsLogger:
         print(line, flush=True)
         self.lines.append(line)
         storage.write_atomic(self.path, "\n".join(self.lines) + "\n")
+        self.tensorboard.log(record)
+        if "step" in record:
+            for sink in self.sinks:
+                sink.log(record["step"], scalars(record), record["time"])
         if self.bar is not None and record.get("kind") == "train":
             self.bar.n = record["step"]
             self.bar.set_description(f"train loss {record['loss']:.3f}")  # (tqdm_ray has no set_postfix)
@@ -96,6 +175,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        self.tensorboard.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 # Kernel (GPU) or operator (CPU) name fragments -> category; first match wins, on lower-cased names.

@@ -2,13 +2,15 @@
 missing one gives.
 
 Everything else the job imports comes with `ray[train]` (torch aside, which every Ray training image brings):
-fsspec and pyarrow (so Parquet files need nothing more), transformers, pyyaml. Three features need more:
+fsspec and pyarrow (so Parquet files need nothing more), transformers, pyyaml. Four features need more:
 
 * `s3://` storage and data sources need `s3fs` (fsspec's S3 backend). The AWS Ray Train DLC does not ship it
   (it has boto3, not s3fs). An s3fs release requires exactly the fsspec of the same version, so the fix names
   `s3fs==<the fsspec version installed>`: it adds s3fs without moving the image's fsspec.
 * hub data sources (`hf:owner/name`) need `datasets`. The DLC ships it; stock `rayproject/ray` images do not.
 * FP8 linear layers (`parallel.float8`) need `torchao` (float8 training), which no Ray image ships.
+* MLflow tracking (`logging.mlflow.tracking_uri`) needs `mlflow` (`mlflow-skinny`, the client alone), which the
+  DLC does not ship: the chart adds it to `runtimeEnv.pip` when the field is set.
 
 `require(module, feature)` imports the package where the feature uses it, or raises `MissingPackage` naming the
 package, the feature and the `runtimeEnv` line that adds it. `check_config(cfg)` runs the same test for every
@@ -25,6 +27,9 @@ from .config import is_hub_source
 
 DATASETS_VERSION = "5.2.0"
 """The `datasets` pin of requirements.txt (a test keeps them equal): what the fix for a missing one installs."""
+MLFLOW_VERSION = "3.17.2"
+"""The `mlflow-skinny` pin of requirements-dev.txt (the client: no server, no UI), which the chart adds to
+`runtimeEnv.pip` when `logging.mlflow.tracking_uri` is set (a test keeps them equal)."""
 TORCHAO_VERSION = "0.18.0"
 """The `torchao` pin of requirements-dev.txt and bench/device-wheels.sh: the first release that is ABI-stable
 across torch >= 2.11 (the GPU machines' 2.11 and the image's 2.13)."""
@@ -45,6 +50,8 @@ def pip_requirement(module: str) -> str:
         return f"datasets=={DATASETS_VERSION}"
     if module == "torchao":
         return f"torchao=={TORCHAO_VERSION}"
+    if module == "mlflow":
+        return f"mlflow-skinny=={MLFLOW_VERSION}"
     return module
 
 
@@ -82,3 +89,5 @@ def check_config(cfg) -> None:
             require(module, f"{key}: {uri}")
     if cfg.parallel.float8 != "none":
         require("torchao", f"parallel.float8: {cfg.parallel.float8}")
+    if cfg.logging.mlflow.tracking_uri:
+        require("mlflow", f"logging.mlflow.tracking_uri: {cfg.logging.mlflow.tracking_uri}")

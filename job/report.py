@@ -9,8 +9,9 @@ is local, else `./<run name>-report`):
   preflight bandwidth, final/best eval loss, throughput, MFU, task evals, plots;
 * `loss.png`, `throughput.png`, `mfu.png` -- when the metrics have those series.
 
-Plotting needs matplotlib (an optional extra). It is imported only when plots are drawn; if it
-is missing, report.md is still written and the command says how to install it.
+Plotting needs matplotlib (an optional extra, not in the environment `scripts/setup.sh` makes). It is imported
+only when plots are drawn; without it, report.md is written without plots and says so in one line (the same
+curves are in the run's TensorBoard files).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def load_pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ReportError(f"plots need matplotlib ({exc}); install it with `pip install matplotlib` "
-                          f"or rerun with --no-plots") from None
+        raise ReportError(f"no plots: matplotlib is not installed ({exc}); `pip install matplotlib` adds them, "
+                          f"`tensorboard --logdir <run dir>/tensorboard` shows the same curves") from None
     return plt
 
 
@@ -193,6 +194,9 @@ def time_table(time: dict | None) -> list[str]:
     lines += [f"| {k} | {v:.1f} | {v / wall:.1%} |" for k, v in time["phases_s"].items()]
     blocking = ", ".join(f"{s:.2f}" for s in time.get("checkpoint_blocking_s") or []) or "-"
     lines += [f"| **wall** | {time['wall_s']:.1f} | goodput **{_pct(time['goodput'])}** |", "",
+              "Wall: from the driver's start (Ray's start, the workers' scheduling and imports are `startup`) to the "
+              "end of this attempt's last phase, as measured by rank 0. The duration above counts from rank 0 "
+              "opening run.json (after startup's first steps) to closing it. Goodput: `train` / wall.", "",
               f"Training held up per checkpoint save (s): {blocking}.", ""]
     if time.get("startup_s"):
         steps = ", ".join(f"{k} {v:.1f}" for k, v in time["startup_s"].items())
@@ -217,7 +221,7 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
         ("Later attempts", evidence.later_attempts_line(rec) or "-"),
         ("Started", rec.get("started_at")),
         ("Ended", rec.get("ended_at")),
-        ("Duration", _duration(rec.get("duration_s"))),
+        ("Duration (this attempt's record)", _duration(rec.get("duration_s"))),
         ("Image", f"{image.get('reference', '-')} @ {digest}"),
         ("Chart", f"{chart.get('name', '-')} {chart.get('version', '')} (release {chart.get('release', '-')})"),
         ("Job package", (rec.get("job") or {}).get("version")),
@@ -239,12 +243,16 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
 
     hw = rec.get("hardware") or {}
     transport = rec.get("transport") or {}
-    accels = ", ".join(f"{n} x {name}" for name, n in (hw.get("accelerators") or {}).items()) or "-"
+    devices = ", ".join(f"{n} x {name}" for name, n in (hw.get("accelerators") or {}).items()) or "-"
+    if hw.get("accelerator_type") == "cpu":  # the names are the hosts' CPU models; CUDA is only torch's build
+        device_lines = [f"- devices: **CPU run**, no accelerator ({devices}, one per host)",
+                        f"- torch built for CUDA {_fmt(hw.get('cuda_version'))} (not used)"]
+    else:
+        device_lines = [f"- devices: **GPU run** ({_fmt(hw.get('accelerator_type'))}): {devices}",
+                        f"- driver: {', '.join(hw.get('driver_versions') or ['-'])}; CUDA "
+                        f"{_fmt(hw.get('cuda_version'))}; NCCL {_fmt(hw.get('nccl_version'))}"]
     lines += ["## Hardware and transport", "",
-              f"- nodes: {_fmt(hw.get('nodes'))}, world size: {_fmt(hw.get('world_size'))}",
-              f"- accelerators: {accels}",
-              f"- driver: {', '.join(hw.get('driver_versions') or ['-'])}; CUDA {_fmt(hw.get('cuda_version'))}; "
-              f"NCCL {_fmt(hw.get('nccl_version'))}",
+              f"- nodes: {_fmt(hw.get('nodes'))}, world size: {_fmt(hw.get('world_size'))}", *device_lines,
               f"- transport: {transport.get('summary', '-')}"
               + (f" ({transport['reason']})" if transport.get("reason") else "")]
     pre = rec.get("preflight")
@@ -286,8 +294,8 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
 def main(argv: list[str]) -> int:
     """`python -m job report RUN_DIR [--out DIR] [--no-plots]`; `argv` excludes "report".
 
-    Exit status: 0 report written, 1 report.md written but plots failed (matplotlib missing),
-    2 bad input (no run.json and no metrics.jsonl in RUN_DIR).
+    Exit status: 0 report written (without plots, said in one line, when matplotlib is missing), 2 bad input
+    (no run.json and no metrics.jsonl in RUN_DIR).
     """
     parser = argparse.ArgumentParser(prog="python -m job report", description="Write report.md and plots for a run.")
     parser.add_argument("run_dir", help="run directory (local or s3://) with run.json and metrics.jsonl, "
@@ -333,15 +341,13 @@ def main(argv: list[str]) -> int:
         return 2
 
     plots: list[str] = []
-    status = 0
     if not args.no_plots and rows:
         try:
             plots = plot_metrics(rows, out)
         except ReportError as exc:
             notes.append(str(exc))
             print(f"report: {exc}", file=sys.stderr)
-            status = 1
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
         f.write(render_markdown(record, summary, plots, notes, rows))
     print(f"report: wrote {os.path.join(out, 'report.md')}" + (f" and {', '.join(plots)}" if plots else ""))
-    return status
+    return 0

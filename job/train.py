@@ -34,6 +34,7 @@ from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
                     weights_fingerprint)
+from .tracking import MlflowMetrics
 from .watchdog import HangError, LossSpikes, Watchdog
 
 if TYPE_CHECKING:
@@ -256,8 +257,12 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_micro)
 
     flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
-    logger = (MetricsLogger(run_dir, cfg.train.max_steps, launcher.progress_style(cfg.logging.progress_bar),
-                            keep_until_step=start_step) if rank == 0 else None)
+    logger = None
+    if rank == 0:
+        sinks = [MlflowMetrics(cfg.logging.mlflow.tracking_uri, loop_config.mlflow_run_id)
+                 ] if loop_config.mlflow_run_id else []
+        logger = MetricsLogger(run_dir, cfg.train.max_steps, launcher.progress_style(cfg.logging.progress_bar),
+                               keep_until_step=start_step, sinks=sinks)
     run = Run(cfg, run_dir, device, rank, world, bf16, tokenizer, dataset, model, optimizer, schedule, batches,
               start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, timeline, logger,
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],

@@ -395,3 +395,23 @@ workerGroups:
     {{- end }}
   {{- end }}
 {{- end }}
+
+{{/*
+The job's Ray runtime env: `runtimeEnv`, plus the MLflow client when `run.logging.mlflow.tracking_uri` is set (the
+image has no mlflow; the pin is job/packages.py's MLFLOW_VERSION) unless the pip list names an mlflow already.
+The run record lists what it installed (run.json `runtime_env.requirements`). Empty: no runtime env.
+*/}}
+{{- define "ray-finetune.runtimeEnv" -}}
+{{- $env := deepCopy .Values.runtimeEnv }}
+{{- if ((.Values.run.logging).mlflow).tracking_uri }}
+{{- $pip := $env.pip | default list }}
+{{- $list := kindIs "map" $pip | ternary (get (kindIs "map" $pip | ternary $pip dict) "packages") $pip | default list }}
+{{- $named := false }}
+{{- range $list }}{{ if hasPrefix "mlflow" (toString .) }}{{ $named = true }}{{ end }}{{ end }}
+{{- if not $named }}
+{{- $list = append $list "mlflow-skinny==3.17.2" }}
+{{- if kindIs "map" $pip }}{{ $_ := set $pip "packages" $list }}{{ else }}{{ $_ := set $env "pip" $list }}{{ end }}
+{{- end }}
+{{- end }}
+{{- if $env }}{{ toYaml $env }}{{ end }}
+{{- end }}

@@ -103,3 +103,28 @@ def tiny_run_config(tmp_path: Path, **sections) -> dict:
         else:
             cfg[section] = values
     return cfg
+
+
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of a folder of TensorBoard event files, read by TensorBoard's own reader (which applies the
+    purges a resumed attempt's file starts with): tag -> [(step, value)] in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    return {tag: sorted((e.step, e.value) for e in events.Scalars(tag)) for tag in events.Tags()["scalars"]}
+
+
+def assert_tensorboard_matches_metrics(folder, rows: list[dict]) -> None:
+    """Every number of metrics.jsonl's train, eval and time records is in the event files at its step, once."""
+    scalars = tensorboard_scalars(folder)
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        if row["kind"] in ("train", "eval", "time"):
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
+                    expected.setdefault(f"{row['kind']}/{key}", []).append((row["step"], value))
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "time/goodput"} <= set(expected)
+    for tag, points in expected.items():
+        assert [s for s, _ in scalars.get(tag, [])] == [s for s, _ in points], tag
+        assert [v for _, v in scalars[tag]] == pytest.approx([v for _, v in points], rel=1e-6), tag

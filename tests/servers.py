@@ -8,6 +8,7 @@ import contextlib
 import functools
 import http.server
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -88,3 +89,41 @@ def moto_s3(bucket: str = "runs") -> Iterator[dict[str, str]]:
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+MLFLOW_SERVER = Path(__file__).resolve().parent.parent / ".venv-mlflow" / "bin" / "mlflow"
+"""The tracking server's own environment (`scripts/setup.sh --dev`): full mlflow pins other versions of packages
+.venv pins (pyarrow, cryptography), so the server lives apart and .venv has the client (mlflow-skinny) only."""
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path) -> Iterator[str]:
+    """An MLflow tracking server on 127.0.0.1 with a SQLite store and its artifacts under `root`: its URL, as an
+    `MlflowServer` (a test may stop its `.process` early)."""
+    port = free_port()
+    root.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [str(MLFLOW_SERVER), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts")],
+        stdout=open(root / "server.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port(port, process, timeout_s=120)
+        yield MlflowServer(f"http://127.0.0.1:{port}", process)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # uvicorn's graceful shutdown on a loaded machine
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+class MlflowServer(str):
+    """A tracking server's URL, with its process, which leads its own process group (its uvicorn workers are
+    children: `os.killpg` stops them all)."""
+
+    def __new__(cls, url: str, process: subprocess.Popen):
+        self = super().__new__(cls, url)
+        self.process = process
+        return self

@@ -188,6 +188,23 @@ def test_runtime_env_pins_match_requirements():
     assert "runtimeEnvYAML" not in one(render(), "RayJob")["spec"]
 
 
+def test_mlflow_adds_its_client_to_the_runtime_env_only_when_configured():
+    """The image has no mlflow: `run.logging.mlflow.tracking_uri` adds the job's pin to the pip list (either form),
+    once; the run record lists what the runtime env installed."""
+    from job.packages import MLFLOW_VERSION
+
+    uri = ["--set", "run.logging.mlflow.tracking_uri=http://mlflow:5000"]
+
+    def pip(*args):
+        return yaml.safe_load(one(render(*args), "RayJob")["spec"]["runtimeEnvYAML"])["pip"]
+
+    assert pip(*uri) == [f"mlflow-skinny=={MLFLOW_VERSION}"]
+    assert pip(*uri, "--set", "runtimeEnv.pip.packages={s3fs==2026.4.0}") == \
+        {"packages": ["s3fs==2026.4.0", f"mlflow-skinny=={MLFLOW_VERSION}"]}
+    assert pip(*uri, "--set", "runtimeEnv.pip={mlflow==3.1.0}") == ["mlflow==3.1.0"]
+    assert "runtimeEnvYAML" not in one(render("--set", "run.logging.mlflow.experiment=x"), "RayJob")["spec"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The chart rejects at `helm install` what the job rejects at start
 # ---------------------------------------------------------------------------------------------------------------------

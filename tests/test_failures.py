@@ -264,9 +264,15 @@ def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, si
 
 def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succeeds(tmp_path):
     # scripts/drills.sh's kill-driver: SIGKILL the driver's process group and its Ray workers (a lost head pod;
-    # the workers would otherwise finish the run without it), then start the same run again.
+    # the workers would otherwise finish the run without it), then start the same run again. Both attempts log to
+    # one MLflow run on a real tracking server.
+    from servers import mlflow_server
+
+    server = contextlib.ExitStack()
+    tracking_uri = str(server.enter_context(mlflow_server(tmp_path / "mlflow")))
     cmd, env, run_dir = _driver(tmp_path, "killed", train={"max_steps": 5000, "warmup_steps": 1},
-                                logging={"every_steps": 1}, checkpoint={"every_steps": 4, "export": False})
+                                logging={"every_steps": 1, "mlflow": {"tracking_uri": tracking_uri}},
+                                checkpoint={"every_steps": 4, "export": False})
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -304,6 +310,38 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
         ("abandoned", "unknown", "driver_lost", None, None), abandoned
     assert "the driver stopped its heartbeat" in err["message"]
     assert err["step"] == abandoned["steps"] == killed_after and abandoned["ended_at"]  # what it knew, kept
+    with server:
+        check_mlflow_run(tracking_uri, run_dir, record, last_logged=max(killed_after, resume_at + 2))
+
+
+def check_mlflow_run(tracking_uri: str, run_dir: str, record: dict, last_logged: int) -> None:
+    """The run's one MLflow run holds its params, the metrics of every step up to `last_logged` (each attempt's
+    points: MLflow keeps them all), the closing tags and the artifacts; it ended with the run's status."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    run_id = json.load(open(os.path.join(run_dir, "mlflow.json")))["run_id"]
+    [experiment] = [e for e in client.search_experiments() if e.name == "ray-finetune"]
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]  # continued, not new
+    run = client.get_run(run_id)
+    assert run.info.run_name == record["run_name"] and run.info.status == "FINISHED"
+    assert run.data.params["train.max_steps"] == "5000"  # the first attempt's (MLflow keeps a param's first value)
+    assert run.data.params["logging.mlflow.tracking_uri"] == tracking_uri
+    assert run.data.tags["status"] == "succeeded" and run.data.tags["image_digest"] == "unknown"
+    assert run.data.tags["chart_version"] == "unknown" and "failure_class" not in run.data.tags
+    rows = [r for r in evidence.read_metrics(run_dir) if r["kind"] == "train"]
+    history = client.get_metric_history(run_id, "train/loss")
+    # Continuous: every step from 1 on, each attempt's points (MLflow cannot drop any: a step the second attempt
+    # recomputed has two, the first attempt's steps past the run's end stay); the latest point of each step of
+    # the run is metrics.jsonl's.
+    assert sorted({m.step for m in history}) == list(range(1, last_logged + 1))
+    latest = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
+    assert {step: latest[step] for step in (r["step"] for r in rows)} == \
+        {r["step"]: pytest.approx(r["loss"]) for r in rows}
+    assert [r["step"] for r in rows] == list(range(1, record["metrics"]["steps"] + 1))
+    assert {a.path for a in client.list_artifacts(run_id)} == {"run.json", "report.md"}
+    artifact = json.load(open(client.download_artifacts(run_id, "run.json")))
+    assert artifact["status"] == "succeeded" and artifact["previous_attempts"][0]["status"] == "abandoned"
 
 
 def test_a_workers_sigterm_is_a_preemption_until_its_loop_returns_then_goes_to_the_handler_it_replaced(

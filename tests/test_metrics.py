@@ -3,6 +3,7 @@ the progress bar shows, and where it is drawn."""
 
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from job import config as config_lib
 from job import launch
 from job import metrics
-from job.metrics import MetricsLogger, Timeline, device_timeline, idle_gap_lines
+from job.metrics import MetricsLogger, Timeline, device_timeline, idle_gap_lines, is_terminal
 
 
 def test_timeline_splits_startup_by_the_driver_steps_and_counts_goodput_over_the_whole_wall(monkeypatch):
@@ -118,3 +119,20 @@ def test_a_ray_worker_reports_its_bar_to_the_driver(monkeypatch, tmp_path, capsy
     states = [json.loads(line) for line in capsys.readouterr().out.splitlines() if RAY_TQDM_MAGIC in line]
     assert states and states[-1]["x"] == 5 and states[-1]["total"] == 10 and states[-1]["closed"]
     assert sys.stderr.getvalue() == ""  # the worker draws nothing itself
+
+
+def test_a_terminal_needs_a_width_for_a_bar():
+    """A pseudo-terminal of 0 columns (`script` with no terminal of its own) is a tty, yet tqdm draws nothing on
+    it: no bar there; the same terminal given a width gets one (the Ray driver draws on it: `ray_loop_config`)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    with os.fdopen(follower, "w") as stream:
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+        assert stream.isatty() and not is_terminal(stream)
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        assert is_terminal(stream)
+    os.close(leader)

@@ -1,6 +1,6 @@
 """Object storage end to end: a run whose storage_path is s3://, against a local S3 server (moto on loopback).
 
-The run writes its metrics, run record and sharded checkpoints to the bucket; killed mid-run, the same
+The run writes its metrics, TensorBoard event files, run record and sharded checkpoints to the bucket; killed mid-run, the same
 command resumes from the latest complete checkpoint in the bucket and finishes.
 """
 
@@ -11,10 +11,10 @@ import sys
 
 import yaml
 
-from conftest import REPO, tiny_run_config
+from conftest import REPO, assert_tensorboard_matches_metrics, tiny_run_config
 
 
-def test_run_checkpoints_and_resumes_on_s3(tmp_path, s3_endpoint):
+def test_run_checkpoints_and_resumes_on_s3(tmp_path, s3_endpoint, monkeypatch):
     import s3fs
 
     raw = tiny_run_config(tmp_path, name="s3-run", storage_path="s3://runs/experiments",
@@ -40,6 +40,14 @@ def test_run_checkpoints_and_resumes_on_s3(tmp_path, s3_endpoint):
     (resume,) = [r for r in rows if r["kind"] == "resume"]
     assert resume["step"] == 4 and resume["checkpoint"].startswith("s3://runs/experiments/s3-run/checkpoint_00000004")
     assert [r["step"] for r in rows if r["kind"] == "train"] == [2, 4, 6, 8, 10, 12]  # steps after 4 logged once
+    # The TensorBoard event files of both attempts, uploaded to the bucket and read there by TensorBoard itself (its
+    # boto3 reader, `S3_ENDPOINT` naming a non-AWS endpoint, as the README says): the second attempt's purge hides
+    # what the first logged past step 4, so each step's numbers appear once, as in metrics.jsonl.
+    assert len(fs.ls(f"{run}/tensorboard")) == 2
+    monkeypatch.setenv("S3_ENDPOINT", s3_endpoint["AWS_ENDPOINT_URL"])
+    for key, value in s3_endpoint.items():
+        monkeypatch.setenv(key, value)
+    assert_tensorboard_matches_metrics(f"s3://{run}/tensorboard", rows)
     record = json.loads(fs.cat_file(f"{run}/run.json"))
     assert record["status"] == "succeeded" and record["run_dir"] == "s3://runs/experiments/s3-run"
     assert [a["status"] for a in record["previous_attempts"]] in (["failed"], ["interrupted"])

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import REPO, tiny_run_config
+from conftest import REPO, assert_tensorboard_matches_metrics, tensorboard_scalars, tiny_run_config
 from job import config as config_lib
 from job import evidence, launch
 
@@ -56,6 +56,9 @@ def test_two_workers_learn_held_out_text(tmp_path, ray_cluster):
     assert len(record["workers"]) == 2 and record["transport"]["summary"].startswith("gloo")
     assert record["metrics"]["final_eval_loss"] == pytest.approx(last)
     assert yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))["train"]["max_steps"] == 100
+    # TensorBoard's event files hold the same numbers at the same steps (read by TensorBoard's own reader).
+    assert_tensorboard_matches_metrics(os.path.join(run_dir, "tensorboard"), evidence.read_metrics(run_dir))
+    assert tensorboard_scalars(os.path.join(run_dir, "tensorboard"))["time/phases_s/train"][0][0] == 100
 
 
 def test_synthetic_run_logs_throughput_and_mfu(tmp_path, ray_cluster):
