@@ -142,14 +142,17 @@ def _run(args: argparse.Namespace, imported_at: float, held: contextlib.ExitStac
 
 def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
     """Ends Ray's output (its log forwarding stops with the connection), then prints the verdict
-    (`failures.verdict`) as the driver's last lines, on stderr: what a person reads first in a log."""
+    (`failures.verdict`) as the driver's last lines, on stderr: what a person reads first in a log. With the Ray
+    cluster gone the connection is left as it is: Ray ends the process once it cannot reach its cluster, and
+    disconnecting only waits for that."""
     from . import evidence, launch, storage
 
-    launch.disconnect_ray()
     try:
         record = evidence.load_latest(run_dir)
     except (OSError, ValueError):
         record = {}
+    if (record.get("error") or {}).get("reason") != "cluster_lost":  # a lost cluster: Ray's own exit is fatal
+        launch.disconnect_ray()
     logs_dir = failures.attempt_logs(run_dir, loop_config.started_at)
     try:
         fs, path = storage.filesystem(logs_dir)

@@ -246,7 +246,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
     record["previous_attempts"] = _previous_attempts(run_dir, old)
     if old is not None and _has_results(old):  # this attempt goes beside the run's record, listed in it
         record["record_file"] = storage.join(ATTEMPTS_DIR, str(len(record["previous_attempts"]) + 1), RUN_RECORD)
-        old["later_attempts"] = [*(old.get("later_attempts") or []), _summary(run_dir, record)]
+        old["later_attempts"] = [*(old.get("later_attempts") or []), _summary(record)]
         write_record(run_dir, old)
     write_record(run_dir, record)
     return record
@@ -351,7 +351,7 @@ def _settle(run_dir: str, record: dict) -> None:
                 break
         write_record(run_dir, {**record, "record_file": RUN_RECORD})
         return
-    run["later_attempts"] = [_summary(run_dir, record) if a.get("record") == record["record_file"] else a
+    run["later_attempts"] = [_summary(record) if a.get("record") == record["record_file"] else a
                              for a in run.get("later_attempts") or []]
     write_record(run_dir, run)
 
@@ -464,10 +464,10 @@ def _previous_attempts(run_dir: str, old: dict | None) -> list[dict]:
     if old is None:
         return []
     return [*old.get("previous_attempts", []),
-            *(_close_summary(run_dir, a) for a in [_summary(run_dir, old), *(old.get("later_attempts") or [])])]
+            *(_close_summary(run_dir, a) for a in [_summary(old), *(old.get("later_attempts") or [])])]
 
 
-def _summary(run_dir: str, record: dict) -> dict:
+def _summary(record: dict) -> dict:
     """An attempt in a few fields (`previous_attempts`, `later_attempts`); `record` names its own file when it is
     not run.json."""
     summary = {key: record.get(key) for key in ("started_at", "ended_at", "status", "error", "config_sha256")}

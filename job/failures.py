@@ -322,8 +322,8 @@ def exit_status(exc: BaseException) -> int:
 @contextlib.contextmanager
 def driver_watch(run_dir: str):
     """The driver's watch over a run while it waits on the workers (its heartbeat runs already, renewing the run
-    lease: `lease.hold`): SIGINT/SIGTERM raising `Cancelled` (Ray's own handlers, which exit without closing the record, are put back afterwards). Whatever
-    ends the wait with an exception closes a still-`running` record (`evidence.close_if_running`): `cancelled`
+    lease: `lease.hold`): SIGINT/SIGTERM raising `Cancelled` (Ray's own handlers, which exit without closing the
+    record, are put back afterwards). Whatever ends the wait with an exception closes a still-`running` record (`evidence.close_if_running`): `cancelled`
     for a KeyboardInterrupt (which then propagates as `Cancelled`), else `failed`. A second signal ends the driver at
     once (the default action)."""
     from . import evidence

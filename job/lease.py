@@ -34,7 +34,8 @@ LEASE_FILE = "lease.json"
 
 
 class LeaseHeld(RuntimeError):
-    """Another driver holds the run's lease: the message names it and how to take over from a dead one."""
+    """The run's lease cannot be taken: another driver holds it (the message names it and how to take over from
+    a dead one), or the storage cannot create a file exclusively."""
 
 
 def _now() -> _dt.datetime:
@@ -93,13 +94,21 @@ def _refusal(run_dir: str, lease: dict) -> LeaseHeld:
         f"over), or delete {_path(run_dir)} if you are sure it no longer runs")
 
 
+def _create(run_dir: str, path: str, lease: dict) -> bool:
+    try:
+        return storage.create_exclusive(path, json.dumps(lease) + "\n")
+    except OSError as e:  # no hard links (some FUSE mounts), or an object store without conditional writes
+        raise LeaseHeld(f"run {run_dir}: cannot create {path} exclusively ({type(e).__name__}: {e}): this storage "
+                        "cannot hold a run lease") from None
+
+
 def acquire(run_dir: str) -> dict:
     """Takes the run's lease (a stale one is taken over) and returns it; `LeaseHeld` while a live driver holds it."""
     mine = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
             "pod": os.environ.get("POD_NAME") or None, "started_at": _now().isoformat(timespec="seconds"),
             "timeout_s": failures.HEARTBEAT_TIMEOUT_S, "took_over": None}
     for _ in range(3):  # a lease released or taken over between our reads: look again
-        if storage.create_exclusive(_path(run_dir), json.dumps(mine) + "\n"):
+        if _create(run_dir, _path(run_dir), mine):
             return mine
         current = read(run_dir)
         if current is None:
@@ -108,7 +117,7 @@ def acquire(run_dir: str) -> dict:
         if why is None:
             raise _refusal(run_dir, current)
         marker = storage.join(run_dir, f".lease-takeover-{current['id']}")
-        if not storage.create_exclusive(marker, json.dumps(mine) + "\n"):
+        if not _create(run_dir, marker, mine):
             raise LeaseHeld(f"run {run_dir}: another driver is taking over the stale lease of {describe(current)} "
                             f"({marker})")
         try:
@@ -116,7 +125,7 @@ def acquire(run_dir: str) -> dict:
                 storage.remove(_path(run_dir))
                 mine["took_over"] = {**{k: current.get(k) for k in ("id", "host", "pid", "pod", "started_at")},
                                      "stale": why}
-                if storage.create_exclusive(_path(run_dir), json.dumps(mine) + "\n"):
+                if _create(run_dir, _path(run_dir), mine):
                     return mine
                 mine["took_over"] = None
         finally:
