@@ -9,6 +9,7 @@ import gzip
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -113,6 +114,8 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+        if self.remote:  # uploaded at each record: the local copy goes
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def is_terminal(stream) -> bool:

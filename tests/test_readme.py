@@ -26,7 +26,8 @@ def test_the_readmes_first_commands_run_in_order_in_a_fresh_clone(tmp_path):
     hidden = tmp_path / "hidden"  # `import matplotlib` / `import tensorboard` fail as if not installed
     for module in ("matplotlib", "tensorboard"):
         (hidden / module).mkdir(parents=True)
-        (hidden / module / "__init__.py").write_text(f"raise ImportError('No module named {module!r}', name={module!r})\n")
+        message = f"No module named {module!r}"
+        (hidden / module / "__init__.py").write_text(f"raise ImportError({message!r}, name={module!r})\n")
     env = {**os.environ, "PYTHONPATH": str(hidden), "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
 
