@@ -14,6 +14,7 @@ import torch
 from conftest import REPO, tiny_run_config
 from job import checkpoint as checkpoint_lib
 from job import config as config_lib
+from job import evidence, report
 from job.config import ConfigError, LoraConfig
 from job.model import CausalLMWithLoss, add_adapters, build_causal_lm, device_mesh, is_adapter, parallelize
 from job.train import build_optimizer
@@ -138,6 +139,10 @@ def test_peft_loads_the_adapter_in_a_fresh_process_and_the_merged_export_is_base
     assert found["peft_eval_loss"] == pytest.approx(found["reference_eval_loss"], abs=1e-5)
     assert found["logits_max_abs_diff"] < 1e-4
     assert found["merged_max_abs_diff"] < 1e-6 and found["untargeted_identical"]
+    summary = evidence.summarize_metrics(evidence.read_metrics(lora_reference))
+    assert (summary["method"], summary["lora_rank"]) == ("lora", 4) and summary["trainable_params"] > 0
+    markdown = report.render_markdown(evidence.load_record(lora_reference), summary, [], [])
+    assert "| method | LoRA (rank 4) |" in markdown and f"| trainable parameters | {summary['trainable_params']} |" in markdown
     # The run learned: the adapters moved the held-out loss from the untrained model's.
     evals = _records(lora_reference, "eval")
     assert evals[-1]["step"] == MAX_STEPS and evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.05
