@@ -59,6 +59,11 @@ BF16_REDUCE = {**CUDNN, "parallel.reduce_dtype": "bf16"}
 AUTOTUNE = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
 LIGER = {"liger": True}  # TrainingArguments(use_liger_kernel=True): the strongest peer with one flag (issue 19)
 FP8 = {**CUDNN, "parallel.float8": "rowwise"}  # on top of best-cudnn, our current best bf16 settings
+LORA = {**CUDNN, "model.lora.rank": 16, "model.lora.alpha": 32, "checkpoint.every_steps": 6}  # a save mid-run
+HF_PEFT = {"lora-rank": 16, "fsdp": "off"}  # the Trainer with peft at the same rank, on one GPU as its users run it
+QWEN_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+           "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}
+"""Qwen2.5-7B's shape (its config.json), over the 1.5B preset: the 7B-class LoRA rows, random init."""
 VARIANTS = {
     "hf": Variant("hf", 4),
     "hf-accum2": Variant("hf", 4, accum=2),  # global batch 8 (micro-batch 8 runs out of memory)
@@ -85,6 +90,12 @@ VARIANTS = {
     "best-cudnn-hsdp": Variant("torchrun", 4, {**CUDNN, "parallel.shard_group_size": 1}),
     "best-fp8": Variant("torchrun", 4, FP8),
     "best-b8-fp8": Variant("torchrun", 8, FP8),
+    "hf-peft": Variant("hf", 4, HF_PEFT),
+    "hf-peft-liger": Variant("hf", 4, {**HF_PEFT, **LIGER}),
+    "best-cudnn-lora": Variant("torchrun", 4, LORA),
+    "best-b8-cudnn-lora": Variant("torchrun", 8, LORA),
+    "lora-7b": Variant("torchrun", 1, {**LORA, "model.overrides": QWEN_7B}),
+    "lora-7b-b2": Variant("torchrun", 2, {**LORA, "model.overrides": QWEN_7B}),
 }
 # Issue 31's levers, each alone and together, on one GPU: the code before them (`main`), with only the one-GPU
 # path without FSDP2 (`unwrapped`), and the current code with FSDP2 forced (only the clipping in the fused step).
@@ -94,7 +105,7 @@ for suffix, batch in (("", 4), ("-b8", 8)):
     VARIANTS[f"best{suffix}-cudnn-fsdp"] = Variant("torchrun", batch, {**CUDNN, "parallel.fsdp": "always"})
 TREES = REPO / ".devdata" / "trees"
 """Where `Variant.tree`s are: `git archive COMMIT job | tar -x -C .devdata/trees/NAME` (bench/device-bench.sh issue31)."""
-BASELINES = {"vs hf": {}, "vs liger": LIGER}
+BASELINES = {"vs hf": {}, "vs liger": LIGER, "vs hf+peft": HF_PEFT}
 """The ratio columns: each divides by the baseline script's (launcher "hf") row with exactly these options (at the
 same global batch and GPU count, from the same run)."""
 SCRIPTS = {"hf": "bench/hf_trainer_baseline.py", "titan": "bench/torchtitan_baseline.py"}
@@ -182,13 +193,16 @@ def run_variant(args, name: str, nproc: int, workdir: Path, timeout: float) -> d
     if launcher in SCRIPTS:
         result = json.loads([line for line in log.read_text().splitlines() if line.startswith("{")][-1])
         return {**row, "tokens_per_s_per_device": result["tokens_per_s_per_device"], "mfu": result.get("mfu"),
+                "trainable_params": result.get("trainable_params"),
                 "step_time_s": result["step_time_s"], "peak_mem_gib": result.get("peak_mem_alloc_gib")}
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     rows = [r for r in records if r["kind"] == "train"][args.skip:]
     tps = statistics.median(r["tokens_per_s_per_device"] for r in rows)
     mfu = [r["mfu"] for r in rows if r["mfu"] is not None]
     row.update(tokens_per_s_per_device=tps, mfu=statistics.median(mfu) if mfu else None,
-               step_time_s=tokens_per_step / tps, peak_mem_gib=max((r["peak_mem_gib"] or 0) for r in rows))
+               step_time_s=tokens_per_step / tps, peak_mem_gib=max((r["peak_mem_gib"] or 0) for r in rows),
+               trainable_params=next(r for r in records if r["kind"] == "start").get("trainable_params"),
+               checkpoint_blocking_s=[r["blocking_s"] for r in records if r["kind"] == "checkpoint"])
     for profile in (r for r in records if r["kind"] == "profile"):
         row["profile"] = {k: profile[k] for k in ("wall_ms", "busy_ms", "idle_gaps_ms", "by_category_ms") if k in profile}
         if args.out:  # the profile's kernel table beside the rows

@@ -12,6 +12,9 @@ GPU (bf16 autocast, SDPA attention, FSDP2 full-shard of Qwen2DecoderLayer, fused
   --grad-accum K: K micro-batches per optimizer step; a step's tokens are batch × K × seq-len.
   --liger: `TrainingArguments(use_liger_kernel=True)`, the Trainer with Liger's Triton kernels (RMSNorm, SwiGLU,
   RoPE, fused linear cross-entropy; needs the liger-kernel package and a CUDA device).
+  --lora-rank R: LoRA with `peft` (rank R, alpha 2R, the job's default targets), as its users set it up: the base
+  loaded in bf16 and frozen, the adapters in fp32 (peft's autocast_adapter_dtype), bf16 autocast; MFU counts the
+  frozen base as the job does (4 FLOPs per frozen parameter and token). Use with --fsdp off on one GPU.
 CPU (CI): python bench/hf_trainer_baseline.py --preset qwen2-tiny --seq-len 32 --batch 2 --steps 3 --warmup 1
   (fp32, one process, no FSDP.)
 
@@ -96,7 +99,10 @@ def parse_args(argv=None):
     p.add_argument("--liger", action="store_true",
                    help="TrainingArguments(use_liger_kernel=True): Liger's fused RMSNorm, SwiGLU, RoPE and linear "
                         "cross-entropy (the fp32 logits are never materialised); Triton kernels, so CUDA only")
+    p.add_argument("--lora-rank", type=int, help="LoRA with peft at this rank (alpha twice the rank)")
     a = p.parse_args(argv)
+    if a.lora_rank is not None and importlib.util.find_spec("peft") is None:
+        p.error("--lora-rank needs the peft package (carry its wheel to the GPU machines)")
     if a.steps <= a.warmup + 1:
         p.error("--steps must exceed --warmup + 1 (need at least two timed step ends)")
     if a.sdpa_backend == "cudnn" and not torch.cuda.is_available():
@@ -123,9 +129,18 @@ def main(argv=None) -> dict:
     cfg = Qwen2Config(**PRESETS[a.preset], use_cache=False)
     # Build directly on this process's GPU (random init of 1.5B params on CPU is slow);
     # fp32 master weights, bf16 compute via the Trainer's autocast / FSDP2 mixed precision.
+    base_dtype = torch.bfloat16 if cuda and a.lora_rank else torch.float32  # a frozen base needs no fp32 master
     with torch.device(f"cuda:{local_rank}" if cuda else "cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=base_dtype)
+    if a.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        from job.config import LORA_DEFAULT_TARGETS
+
+        model = get_peft_model(model, LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank, lora_dropout=0.0,
+                                                 target_modules=LORA_DEFAULT_TARGETS, task_type="CAUSAL_LM"))
     n_params = sum(p.numel() for p in model.parameters())
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
 
     fsdp_kw = {}
     if use_fsdp:
@@ -184,12 +199,14 @@ def main(argv=None) -> dict:
     tokens = a.batch * a.grad_accum * a.seq_len
     # MFU by the job's own formula and peak table, so the benchmark's columns compare like with like.
     peak = peak_flops(torch.device("cuda", local_rank), None) if cuda else None
-    flops = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, a.seq_len)
+    flops = flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, a.seq_len, frozen=n_frozen)
     res = {
         "impl": "hf_trainer" + (f"_fsdp{fsdp_version}" if fsdp_version else ""),
         "wrapped": type(trainer.model_wrapped).__name__,
         "preset": a.preset,
         "params": n_params,
+        "trainable_params": n_params - n_frozen,
+        "lora_rank": a.lora_rank,
         "world_size": world,
         "seq_len": a.seq_len,
         "batch_per_device": a.batch,

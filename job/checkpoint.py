@@ -278,6 +278,18 @@ def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> di
 IDENTITY_FIELDS = {"tokenizer": "tokenizer", "data": "data", "seq_len": "train.seq_len", "seed": "train.seed",
                    "global_batch": "global batch (train.micro_batch_size x train.grad_accum_steps x workers)"}
 """Each `run_identity` key and the setting it is named by in a refusal."""
+ADAPTER_FIELDS = {"lora": "model.lora (rank, alpha, targets)", "base": "the frozen base weights (model.path)"}
+"""`adapter_identity`'s keys: a LoRA checkpoint holds adapters of one base, never resumed onto another, nor by
+a full fine-tune (or the other way round); no `allow_changes` lifts these."""
+
+
+def adapter_identity(cfg: config_lib.RunConfig, base_fingerprint: dict) -> dict:
+    """The identity keys of a LoRA run (`run_identity`'s, added): the adapters' shape and the sha256 of the base
+    weights' fingerprint (`model.weights_fingerprint`: each weight file's sha256, or the random init's source,
+    whose seed `run_identity` holds)."""
+    lora = cfg.model.lora
+    return {"lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.targets)},
+            "base": storage.json_sha256(base_fingerprint)}
 
 
 def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) -> None:
@@ -289,6 +301,12 @@ def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) ->
         c = state["config"]["train"]
         saved = {"seq_len": c["seq_len"], "seed": c["seed"],
                  "global_batch": c["micro_batch_size"] * c["grad_accum_steps"] * state["world_size"]}
+    adapters = [key for key in ADAPTER_FIELDS if saved.get(key) != identity.get(key)]
+    if adapters:
+        detail = "; ".join(f"{ADAPTER_FIELDS[k]}: checkpoint {_identity_value(saved.get(k))}, now "
+                           f"{_identity_value(identity.get(k))}" for k in adapters)
+        raise ResumeRefused(f"checkpoint {uri}: holds what another model trains ({detail}). Restore model.path "
+                            "and model.lora, or start a new run name")
     differ = [key for key in IDENTITY_FIELDS if key in saved and saved[key] != identity[key] and key not in allowed]
     if differ:
         detail = "; ".join(
@@ -297,6 +315,12 @@ def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) ->
         raise ResumeRefused(
             f"checkpoint {uri}: would not continue the same run ({detail}). Restore the settings, start a new run "
             f"name, or, if the change is intended, set checkpoint.allow_changes: [{', '.join(differ)}]")
+
+
+def _identity_value(value) -> str:
+    if value is None:
+        return "none (full fine-tune)"
+    return f"sha256 {value[:12]}…" if isinstance(value, str) else json.dumps(value)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -420,8 +444,6 @@ class Checkpointer:
         """Starts saving `step`; returns once the state is copied, on the device or into host memory. `last`: the
         state will not change any more (the run's last step), so staging on the device needs no copy: the write
         copies the state into host memory from where it is."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         self.finish()
         if not self.writer:
             self.prepare(model)
@@ -433,7 +455,7 @@ class Checkpointer:
         if rank == 0:
             storage.remove(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = trained_state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if self.staging is None:
             self.staging = self._choose_staging(state)
@@ -606,6 +628,34 @@ def layout_bytes(layout: dict[tuple, tuple[torch.Size, torch.dtype]]) -> int:
     return sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
 
 
+def trained_state_dicts(model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts of what trains: every parameter in a full fine-tune; with LoRA the
+    adapters alone (megabytes), the frozen base being what `model.path` and the seed give back on resume."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_trained_only(model))
+    return _without_frozen(model, model_sd), optim_sd
+
+
+def _trained_only(model: CausalLMWithLoss):
+    """DCP's state dict options that leave out frozen parameters (and accept their absence on load)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
+def _without_frozen(model: CausalLMWithLoss, model_sd: dict) -> dict:
+    """`model_sd` without what is frozen: DCP's `ignore_frozen_params` keeps a tied weight under its second name
+    (the frozen embedding as `lm_head.weight`)."""
+    from .model import plain_name
+
+    if all(p.requires_grad for p in model.parameters()):
+        return model_sd
+    trained = {plain_name(name) for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in trained}
+
+
 def first_save_layout(model: CausalLMWithLoss) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
     """What a save stages (`tensor_layout` of the model's and the optimizer's state dicts), known before the first
     step: the model's state dict, and per parameter the state AdamW keeps once it has stepped (`step`, and
@@ -618,8 +668,10 @@ def first_save_layout(model: CausalLMWithLoss) -> dict[tuple, tuple[torch.Size, 
 
     from .model import plain_name
 
-    layout = tensor_layout({"model": get_model_state_dict(model)})
+    layout = tensor_layout({"model": _without_frozen(model, get_model_state_dict(model, options=_trained_only(model)))})
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         shard = param.to_local() if isinstance(param, DTensor) else param
         state = ("optim", "state", plain_name(name))
         layout[(*state, "step")] = (torch.Size([]), torch.float32)
@@ -824,7 +876,7 @@ def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer,
     checkpoint (a failed read names each rank's cause)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _read_state(uri)
     saved, current = state.get("arch", {}), _arch(model.lm.config)
@@ -833,12 +885,12 @@ def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer,
         detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in differ.items())
         raise ResumeRefused(f"checkpoint {uri}: saved for another model architecture ({detail})")
     check_identity(uri, state, identity, cfg.checkpoint.allow_changes)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = trained_state_dicts(model, optimizer)
     try:
         dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=_reader(uri))
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
         raise CheckpointError(f"checkpoint {uri}: cannot be read ({_failure_causes(e)})") from e
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_trained_only(model))
     rng = storage.join(uri, "rng", f"rank{dist.get_rank():05d}.pt")
     if storage.exists(rng):  # a rank that did not exist before (more workers now) keeps its seeded state
         try:

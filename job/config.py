@@ -46,6 +46,28 @@ def constrained(default: Any = dataclasses.MISSING, *, default_factory: Any = da
 # --------------------------------------------------------------------------------------------------------------------
 
 
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    rank: Optional[int] = constrained(None, minimum=1)
+    """LoRA rank r: train a low-rank update B·A (A: r x in, B: out x r) beside each `targets` layer, the model's
+    own weights frozen; only the adapters and their optimizer state are trained and checkpointed, and the export
+    is a PEFT adapter (docs/lora.md). null: full fine-tune of every weight."""
+    alpha: float = constrained(16.0, exclusiveMinimum=0)
+    """Scale of the update: the layer computes W·x + (alpha / rank)·B·A·x (PEFT's `lora_alpha`)."""
+    dropout: float = constrained(0.0, minimum=0, exclusiveMaximum=1)
+    """Dropout on the adapters' input in training (PEFT's `lora_dropout`)."""
+    targets: list[str] = constrained(default_factory=lambda: list(LORA_DEFAULT_TARGETS), minItems=1,
+                                     items={"minLength": 1})
+    """Linear layers that get adapters, by the last part of their module name (PEFT's `target_modules`): by
+    default the attention and MLP projections. A name that matches no linear layer stops the run at start."""
+    merged_export: bool = False
+    """Also export merged full weights (W + (alpha / rank)·B·A, a plain Hugging Face model) in `export/merged/`,
+    beside the adapter; the storage must have room for the full model (checked at start)."""
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
@@ -70,6 +92,8 @@ class ModelConfig:
     sdpa_backend: Optional[Literal["flash", "cudnn", "efficient", "math"]] = None
     """Restrict PyTorch's scaled-dot-product attention to one backend (null: PyTorch chooses per call).
     `flash` takes no attention mask, so it cannot run packed documents."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: train low-rank adapters on the frozen model instead of every weight (`rank` null: full fine-tune)."""
 
 
 @dataclass
@@ -513,6 +537,7 @@ def validate(cfg: RunConfig) -> None:
     elif cfg.parallel.float8 != "none" and cfg.parallel.mixed_precision == "fp32":
         errors.append(f"parallel.float8: {cfg.parallel.float8} needs bf16 compute (parallel.mixed_precision: auto or "
                       "bf16), not fp32")
+    _validate_lora(cfg, errors)
     if not cfg.checkpoint.resume.strip():
         errors.append("checkpoint.resume: expected auto, never or a checkpoint directory/URI, got ''")
     if cfg.checkpoint.export_tolerance <= 0:
@@ -592,6 +617,29 @@ def _file_order(raw: dict) -> dict[str, int]:
 
     walk(raw, "")
     return order
+
+
+def _validate_lora(cfg: RunConfig, errors: list[str]) -> None:
+    """Cross-field checks of `model.lora`."""
+    lora = cfg.model.lora
+    if lora.rank is not None and lora.rank <= 0:
+        errors.append(f"model.lora.rank: must be > 0 (null: full fine-tune), got {lora.rank}")
+    if lora.alpha <= 0:
+        errors.append(f"model.lora.alpha: must be > 0, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        errors.append(f"model.lora.dropout: must be within [0, 1), got {lora.dropout}")
+    if not lora.targets or not all(lora.targets):
+        errors.append(f"model.lora.targets: expected a non-empty list of module names, got {lora.targets}")
+    if lora.rank is None:
+        if lora.merged_export:
+            errors.append("model.lora.merged_export: merges adapters, and model.lora.rank is null (a full fine-tune, "
+                          "whose export is already full weights)")
+    elif cfg.parallel.float8 != "none":
+        errors.append(f"model.lora.rank: LoRA does not run with parallel.float8: {cfg.parallel.float8} (the frozen "
+                      "weights would be cast to float8 in every GEMM and the adapters' small GEMMs gain nothing); "
+                      "set parallel.float8: none or model.lora.rank: null")
+    if lora.merged_export and not cfg.checkpoint.export:
+        errors.append("model.lora.merged_export: needs checkpoint.export: true (the merged weights are part of the export)")
 
 
 def _validate_data(cfg: RunConfig, errors: list[str]) -> None:

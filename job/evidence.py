@@ -571,7 +571,7 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
 
     Throughput and MFU are medians over the second half of the train steps (the first half
     includes compilation and warm-up); peak memory is the maximum. `task_eval` keeps the last
-    result per task.
+    result per task. The method (`full` or `lora`), LoRA rank and trainable parameters come from the start record.
     """
     rows = list(rows)
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r.get("step", 0))
@@ -584,7 +584,11 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
         if r.get("kind") == "task_eval" and r.get("task"):
             tasks[r["task"]] = {"step": r.get("step"), "exact_match": r.get("exact_match"), "n": r.get("n")}
     peaks = [r["peak_mem_gib"] for r in train if isinstance(r.get("peak_mem_gib"), (int, float))]
+    start = next((r for r in rows if r.get("kind") == "start"), {})
     return {
+        "method": start.get("method"),
+        "lora_rank": start.get("lora_rank"),
+        "trainable_params": start.get("trainable_params"),
         "steps": train[-1].get("step") if train else None,
         "final_train_loss": train[-1].get("loss") if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
@@ -608,7 +612,7 @@ ENVIRONMENT_GROUPS = ("image", "runtime_env", "packages", "config", "data", "har
 # Config keys that name or place the run rather than define it (job/config.py's RunConfig.name
 # and .storage_path); ignored by default, `--ignore-config` replaces the list.
 DEFAULT_IGNORED_CONFIG = ("name", "storage_path", "run_name", "run.name")
-_RESULT_KEYS = ("final_eval_loss", "best_eval_loss", "final_train_loss", "tokens_per_s_per_device",
+_RESULT_KEYS = ("method", "lora_rank", "trainable_params", "final_eval_loss", "best_eval_loss", "final_train_loss", "tokens_per_s_per_device",
                 "tokens_per_s", "mfu", "peak_mem_gib", "steps")
 
 

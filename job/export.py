@@ -93,12 +93,14 @@ def start_acceptance() -> AcceptanceProcess | None:
 
 def start_export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig,
                  run_dir: str, reference: dict, heldout: data_lib.Blocks, batches: list[list[int]],
-                 acceptance: AcceptanceProcess | None) -> dict | None:
+                 acceptance: AcceptanceProcess | None, adapters: dict[str, torch.Tensor] | None = None) -> dict | None:
     """Rank 0 writes the export of the unsharded `lm` (staged beside `<run>/export/`) and hands it to
     `acceptance` (its `start_acceptance()`) to check, and returns at once, so the check runs while training's
     process does other work (the final task evaluation); `finish_export` collects the verdict. `reference`
     holds the final in-training held-out loss and how it was measured; `batches` are the micro-batches of
-    `heldout` it was measured on. Returns what `finish_export` needs on rank 0, None on the others."""
+    `heldout` it was measured on. With LoRA, `adapters` (`model.adapter_state_dict`) are the export, and `lm`
+    (the merged model) is written only with `model.lora.merged_export`. Returns what `finish_export` needs on
+    rank 0, None on the others."""
     if dist.get_rank() != 0:
         return None
     if torch.cuda.is_available():
@@ -109,7 +111,7 @@ def start_export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
     final = storage.join(run_dir, EXPORT_DIR)
     stage = tempfile.mkdtemp(prefix="export-") if storage.is_remote(run_dir) else f"{final}.partial"
     try:
-        _write(lm, tokenizer, cfg, reference, heldout, batches, stage)
+        _write(lm, tokenizer, cfg, reference, heldout, batches, stage, adapters)
     except Exception as e:  # reported on every rank by `finish_export`, so no rank waits forever
         return {"final": final, "error": f"{type(e).__name__}: {e}"}
     acceptance.send(stage)
@@ -137,22 +139,63 @@ def finish_export(pending: dict | None, acceptance: AcceptanceProcess | None) ->
 
 
 def _write(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig,
-           reference: dict, heldout: data_lib.Blocks, batches: list[list[int]], stage: str) -> None:
-    """The export's files in directory `stage`: model, tokenizer, the held-out blocks and `reference.json`."""
+           reference: dict, heldout: data_lib.Blocks, batches: list[list[int]], stage: str,
+           adapters: dict[str, torch.Tensor] | None) -> None:
+    """The export's files in directory `stage`: model (or LoRA adapter, and the merged model in `merged/` if
+    asked), tokenizer, the held-out blocks and `reference.json`."""
     from safetensors.torch import save_file
 
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage)
-    lm.save_pretrained(stage, safe_serialization=True)
+    if adapters is None:
+        lm.save_pretrained(stage, safe_serialization=True)
+    else:
+        save_file(adapters, os.path.join(stage, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(stage, ADAPTER_CONFIG), "w") as f:
+            json.dump(peft_adapter_config(cfg, sorted({key.split(".")[-3] for key in adapters})), f, indent=1)
+        if cfg.model.lora.merged_export:
+            lm.save_pretrained(os.path.join(stage, MERGED), safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(stage, MERGED))
     if tokenizer is not None:
         tokenizer.save_pretrained(stage)
     order = torch.tensor([i for batch in batches for i in batch], dtype=torch.long)
     blocks = heldout.select(order)
     save_file({"input_ids": blocks.input_ids, "labels": blocks.labels, "position_ids": blocks.position_ids},
               os.path.join(stage, HELDOUT))
-    reference = {**reference, "tokenizer_vocabulary_sha256": vocabulary_sha256(tokenizer)}
+    reference = {**reference, "tokenizer_vocabulary_sha256": vocabulary_sha256(tokenizer), "dtype": str(lm.dtype)}
     with open(os.path.join(stage, "reference.json"), "w") as f:
         json.dump({**reference, "batch_sizes": [len(b) for b in batches], "config": config_lib.to_dict(cfg)}, f, indent=1)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MERGED = "merged"
+"""With LoRA: the export holds a PEFT adapter (`ADAPTER_CONFIG`, `ADAPTER_WEIGHTS`), and `merged/` the merged
+full weights with `model.lora.merged_export`."""
+
+
+def peft_adapter_config(cfg: config_lib.RunConfig, target_modules: list[str]) -> dict:
+    """PEFT's `adapter_config.json` of the run's adapters (what `peft.PeftModel.from_pretrained` and vLLM read):
+    plain LoRA (no rsLoRA, DoRA or bias training), scaling `lora_alpha / r`."""
+    lora = cfg.model.lora
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": cfg.model.path,
+            "revision": cfg.model.revision, "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": target_modules, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "use_dora": False, "modules_to_save": None, "init_lora_weights": True, "inference_mode": True}
+
+
+def merged_room_problem(run_dir: str, merged_bytes: int) -> str | None:
+    """Why the merged export (`merged_bytes` of weights) would not fit where it is staged (beside the run
+    directory, or in a local temporary directory for object storage), or None."""
+    where = tempfile.gettempdir() if storage.is_remote(run_dir) else storage.local_path(run_dir)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    if free >= merged_bytes * 1.05:  # and the config, tokenizer and adapter beside the weights
+        return None
+    return (f"model.lora.merged_export: the merged weights need {merged_bytes / 1e9:.2f} GB and {where} has "
+            f"{free / 1e9:.2f} GB free; give the storage more room or set model.lora.merged_export: false")
 
 
 def _collect(pending: dict, acceptance: AcceptanceProcess) -> dict:
@@ -185,10 +228,11 @@ def _publish(stage: str, final: str) -> None:
         os.replace(stage, final)
         return
     storage.remove(final)
-    names = sorted(os.listdir(stage), key=lambda n: n == VALID)
+    names = sorted((os.path.relpath(os.path.join(top, name), stage) for top, _, files in os.walk(stage) for name in files),
+                   key=lambda n: n == VALID)
     for name in names:
         with open(os.path.join(stage, name), "rb") as f:
-            storage.write_atomic(storage.join(final, name), f.read())
+            storage.write_atomic(storage.join(final, *name.split(os.sep)), f.read())
     shutil.rmtree(stage, ignore_errors=True)
 
 
@@ -217,10 +261,9 @@ def accept(export_dir: str) -> dict:
     Writes `acceptance.json` beside the export; `ok` is whether the loss matches within
     `checkpoint.export_tolerance`; `timings` says where its seconds went."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from .generate import greedy_generate
-    from .model import CausalLMWithLoss
 
     clock = time.perf_counter()
     timings = {}
@@ -242,25 +285,22 @@ def accept(export_dir: str) -> dict:
                      if os.path.exists(os.path.join(export_dir, "tokenizer_config.json")) else None)
         if vocabulary_sha256(tokenizer) != ref["tokenizer_vocabulary_sha256"]:
             raise ExportError("the reloaded tokenizer's vocabulary or special tokens differ from the training tokenizer's")
-        # Straight onto the device where Transformers can (it needs accelerate for that, which the image may lack).
-        on_device = {"device_map": str(device)} if importlib.util.find_spec("accelerate") else {}
-        lm = AutoModelForCausalLM.from_pretrained(export_dir, dtype="auto", **on_device).to(device)
+        adapter = os.path.exists(os.path.join(export_dir, ADAPTER_CONFIG))
+        lm = (base_with_adapter(export_dir, cfg, tokenizer, ref["dtype"], device) if adapter
+              else _load_full(export_dir, device))
         result["dtype"] = str(lm.dtype)
         lap("load_s")
-        model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
         blocks = load_file(os.path.join(export_dir, HELDOUT))
-        totals = torch.zeros(2, dtype=torch.float64)
         # Eager, the loss kernel included: compiling it in this one-shot process took most of the held-out pass's
         # 10-13 s for the 1.5B, and the eager passes over the logits take well under a second.
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            start = 0
-            for size in ref["batch_sizes"]:
-                batch = {k: v[start : start + size].to(device) for k, v in blocks.items()}
-                start += size
-                loss_sum, n = model(**batch)
-                totals += torch.stack([loss_sum.double().cpu(), n.double().cpu()])
-            loss = (totals[0] / totals[1]).item()
+            loss, n_targets = _heldout_loss(lm, cfg, blocks, ref["batch_sizes"], device)
             lap("heldout_s")
+            if adapter and os.path.exists(os.path.join(export_dir, MERGED)):
+                merged = _load_full(os.path.join(export_dir, MERGED), device)
+                result["merged_eval_loss"], _ = _heldout_loss(merged, cfg, blocks, ref["batch_sizes"], device)
+                del merged
+                lap("merged_s")
             if tokenizer is not None and cfg.eval.sample_prompt is not None:
                 prompt = tokenizer(cfg.eval.sample_prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
             else:
@@ -269,18 +309,19 @@ def accept(export_dir: str) -> dict:
                                   eos_token_id=None, pad_token_id=0).ids
             lap("generate_s")
         new = out[0, prompt.shape[1]:].tolist()
-        diff = abs(loss - ref["eval_loss"])
+        diff = max(abs(x - ref["eval_loss"]) for x in (loss, result.get("merged_eval_loss", loss)))
         result.update({
             "eval_loss": loss,
             "eval_ppl": math.exp(min(loss, 50)),
             "abs_diff": diff,
-            "target_tokens": int(totals[1].item()),
+            "target_tokens": n_targets,
             "generation": {"prompt_ids": prompt[0].tolist(), "token_ids": new,
                            "text": tokenizer.decode(new) if tokenizer is not None else None},
             "ok": bool(math.isfinite(loss) and diff <= cfg.checkpoint.export_tolerance and len(new) > 0),
         })
         if not result["ok"]:
-            result["error"] = (f"held-out loss of the reloaded export {loss:.6f} differs from the final "
+            merged = f" (merged weights: {result['merged_eval_loss']:.6f})" if "merged_eval_loss" in result else ""
+            result["error"] = (f"held-out loss of the reloaded export {loss:.6f}{merged} differs from the final "
                                f"in-training evaluation {ref['eval_loss']:.6f} by {diff:.3g} "
                                f"(> checkpoint.export_tolerance {cfg.checkpoint.export_tolerance})")
     except Exception as e:
@@ -288,3 +329,52 @@ def accept(export_dir: str) -> dict:
     with open(os.path.join(export_dir, "acceptance.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def _load_full(path: str, device: torch.device) -> PreTrainedModel:
+    """A Hugging Face model directory, loaded in its saved dtype onto `device`."""
+    from transformers import AutoModelForCausalLM
+
+    # Straight onto the device where Transformers can (it needs accelerate for that, which the image may lack).
+    on_device = {"device_map": str(device)} if importlib.util.find_spec("accelerate") else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype="auto", **on_device).to(device)
+
+
+def base_with_adapter(export_dir: str, cfg: config_lib.RunConfig, tokenizer: PreTrainedTokenizerBase | None,
+                      dtype: str, device: torch.device) -> PreTrainedModel:
+    """The run's base model (loaded from `model.path`, or the seeded random init again) with the export's PEFT
+    adapter merged into it as PEFT computes it, `W + (lora_alpha / r)·B·A` per `lora_A`/`lora_B` key pair, in
+    `dtype` (training's compute dtype): what any PEFT loader gets, without PEFT (the image has none)."""
+    from safetensors.torch import load_file
+
+    from .model import build_causal_lm
+
+    with open(os.path.join(export_dir, ADAPTER_CONFIG)) as f:
+        adapter = json.load(f)
+    scaling = adapter["lora_alpha"] / adapter["r"]
+    with torch.device(device):
+        lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
+    weights = load_file(os.path.join(export_dir, ADAPTER_WEIGHTS), device=str(device))
+    prefix, suffix = "base_model.model.", ".lora_A.weight"
+    with torch.no_grad():
+        for key in (k for k in weights if k.endswith(suffix)):
+            module = key[len(prefix):-len(suffix)]
+            a, b = weights[key].float(), weights[f"{prefix}{module}.lora_B.weight"].float()
+            lm.get_submodule(module).weight.add_(scaling * (b @ a))
+    return lm.to(getattr(torch, dtype.removeprefix("torch."))).eval()
+
+
+def _heldout_loss(lm: PreTrainedModel, cfg: config_lib.RunConfig, blocks: dict[str, torch.Tensor],
+                  batch_sizes: list[int], device: torch.device) -> tuple[float, int]:
+    """`lm`'s mean loss on the held-out blocks in the final evaluation's micro-batches, and their target count."""
+    from .model import CausalLMWithLoss
+
+    model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
+    totals = torch.zeros(2, dtype=torch.float64)
+    start = 0
+    for size in batch_sizes:
+        batch = {k: v[start : start + size].to(device) for k, v in blocks.items()}
+        start += size
+        loss_sum, n = model(**batch)
+        totals += torch.stack([loss_sum.double().cpu(), n.double().cpu()])
+    return (totals[0] / totals[1]).item(), int(totals[1].item())

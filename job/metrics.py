@@ -41,12 +41,14 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, frozen: int = 0) -> float:
     """Training FLOPs per token: 6·N for the matmuls of forward (2·N) and backward (4·N), plus attention scores
     and weighted values, 12·layers·hidden·seq_len (forward 4·L·H·T: QK^T and AV, each 2·H·T per token; ×3 with
     backward). N counts every parameter once, the tied LM head included (the head is a real matmul), as in the
-    PaLM appendix B formula. Causal masking is not discounted, as is conventional."""
-    return 6 * n_params + 12 * n_layers * hidden * seq_len
+    PaLM appendix B formula. Causal masking is not discounted, as is conventional. Of N, the `frozen` parameters
+    (LoRA's base) count 4 each: forward, and the backward's gradient of their input, which the adapters below them
+    need; no gradient of their own."""
+    return 6 * n_params - 2 * frozen + 12 * n_layers * hidden * seq_len
 
 
 def progress_style(setting: str, terminal: bool, via_ray_driver: bool) -> str | None:

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .architecture import hf_config
-from .config import ModelConfig, ParallelConfig
+from .config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 from .data import IGNORE_INDEX
 from .loss import chunked_cross_entropy
 
@@ -127,6 +127,68 @@ class CausalLMWithLoss(nn.Module):
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
 
+class LoraLinear(nn.Linear):
+    """A frozen linear layer plus a trainable low-rank update: `W·x + b + (alpha / r)·B·A·dropout(x)`, as PEFT's
+    LoRA layer computes it. The layer keeps its own parameters' names (`weight`, `bias`), so the frozen base
+    reads, gathers and exports as before, and the adapters are `lora_A.weight` (r x in, Kaiming-uniform) and
+    `lora_B.weight` (out x r, zeros: training starts from the base model exactly): PEFT's key names under
+    `base_model.model.` (`adapter_state_dict`)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        with torch.device("meta"):  # the base's parameters are taken over below, not allocated
+            super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.weight, self.bias = base.weight, base.bias
+        self.requires_grad_(False)
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device)  # Kaiming-uniform, as PEFT's
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device)
+        nn.init.zeros_(self.lora_B.weight)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def merged_weight(self) -> torch.Tensor:
+        """`W + (alpha / r)·B·A` in fp32, gathered when sharded."""
+        weight, a, b = (_full(p).float() for p in (self.weight, self.lora_A.weight, self.lora_B.weight))
+        return weight + self.scaling * (b @ a)
+
+
+def add_adapters(lm: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Freezes every parameter of `lm` and puts a `LoraLinear` in place of each linear layer whose name ends in
+    one of `cfg.targets`; returns their module names. Raises a `ConfigError` naming `model.lora.targets` for a
+    target that matches no linear layer. Seeded like the model: every rank draws the same adapters."""
+    linear = {name: module for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
+    chosen = [name for name in linear if name.rsplit(".", 1)[-1] in cfg.targets]
+    unmatched = [t for t in cfg.targets if not any(name.rsplit(".", 1)[-1] == t for name in chosen)]
+    if unmatched:
+        known = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        raise ConfigError(f"model.lora.targets: {', '.join(unmatched)} match(es) no linear layer of "
+                         f"{type(lm).__name__} (its linear layers: {', '.join(known)})")
+    lm.requires_grad_(False)
+    for name in chosen:
+        parent, _, child = name.rpartition(".")
+        lm.get_submodule(parent).register_module(child, LoraLinear(linear[name], cfg.rank, cfg.alpha, cfg.dropout))
+    return chosen
+
+
+def adapter_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' weights under PEFT's key names (`base_model.model.<module>.lora_A.weight`, ...), gathered
+    when sharded (collective then), on the CPU."""
+    return {f"base_model.model.{plain_name(name)}": _full(param).detach().cpu()
+            for name, param in lm.named_parameters() if is_adapter(name)}
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective); any other tensor as is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 class CastCopies(torch.autograd.Function):
     """Copies of the parameters in another dtype, and in backward their gradients cast back: one foreach copy
     each way (per-parameter casts cost ~16 ms of host time per forward for Qwen2.5-1.5B's 338 parameters,
@@ -158,9 +220,9 @@ def computing_on_copies(lm: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     share theirs and their gradients add up in `dtype` before reaching the fp32 weight, as under FSDP2. The
     copies are put straight into the modules' parameter slots, as `torch.func.functional_call` does, whose
     per-name lookups cost ~7 ms of host time per forward here. Autograd keeps a copy while a saved
-    activation needs it."""
+    activation needs it. Frozen parameters already in `dtype` (LoRA's base) are used as they are."""
     slots = [(module, name, param) for module in lm.modules() for name, param in module._parameters.items()
-             if param is not None]
+             if param is not None and (param.requires_grad or param.dtype != dtype)]
     params = list(dict.fromkeys(param for _, _, param in slots))
     copies = dict(zip(params, CastCopies.apply(dtype, *params)))
     for module, name, param in slots:
@@ -186,21 +248,25 @@ def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.dev
     copy) and gets the whole model. Generation then runs on each rank on its own, without FSDP's per-layer hooks
     and collectives, so ranks need not stay in lockstep and can stop as soon as their sequences have ended.
     The copy has its own config: `from_config` would share the LM's, and an attention switch on the copy
-    (`generate.use_grouped_decode`) would switch the training model's too.
+    (`generate.use_grouped_decode`) would switch the training model's too. LoRA layers are merged into plain
+    ones (`LoraLinear.merged_weight`).
     """
     from copy import deepcopy
 
-    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     lm = model.lm
+    adapted = {f"{name}.weight": module for name, module in lm.named_modules() if isinstance(module, LoraLinear)}
     with torch.device("meta"):
         copy = AutoModelForCausalLM.from_config(deepcopy(lm.config), dtype=dtype,
                                                 attn_implementation=lm.config._attn_implementation)
     copy.to_empty(device=device)
     targets = dict(copy.named_parameters())
     for name, param in lm.named_parameters():
-        targets[plain_name(name)].copy_(param.full_tensor() if isinstance(param, DTensor) else param)
+        if is_adapter(name):
+            continue
+        module = adapted.get(name)
+        targets[plain_name(name)].copy_(module.merged_weight() if module else _full(param))
     for name, buffer in lm.named_buffers():  # e.g. rotary frequencies, which FSDP leaves unsharded
         copy.get_buffer(plain_name(name)).copy_(buffer)
     copy.tie_weights()
@@ -276,7 +342,9 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
     compute capability >= 8.9). Then per layer, in order: activation checkpointing (recompute in backward),
     `torch.compile` (one compiled graph per layer: the layers are identical, so it compiles once), then
     sharding. With bf16, parameters are gathered and computed in bf16 while the sharded master weights and
-    optimizer state stay fp32; gradients are reduced in `cfg.reduce_dtype`.
+    optimizer state stay fp32; gradients are reduced in `cfg.reduce_dtype`. With LoRA (`add_adapters`) the
+    adapters are trained so; the frozen base is sharded and gathered the same way, or, unsharded with bf16, kept
+    in bf16 (nothing updates it: no fp32 master needed).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -302,4 +370,7 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
         fully_shard(model, **shard_args)
     elif bf16:
         model.compute_dtype = torch.bfloat16
+        for param in model.parameters():  # LoRA's frozen base: in bf16 once, not copied into it every forward
+            if not param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
     return model

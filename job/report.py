@@ -65,6 +65,14 @@ def _duration(seconds: Any) -> str:
     return f"{s // 3600}h {s % 3600 // 60}m {s % 60}s" if s >= 3600 else f"{s // 60}m {s % 60}s"
 
 
+def _method(summary: dict) -> str:
+    """`full fine-tune`, `LoRA (rank r)`, or `-` for records from before the method was logged."""
+    method = summary.get("method")
+    if method == "lora":
+        return f"LoRA (rank {summary.get('lora_rank')})"
+    return "full fine-tune" if method == "full" else "-"
+
+
 def config_highlights(config: dict, limit: int = 16) -> list[tuple[str, Any]]:
     """Leaf values of the config whose key looks important (model, lr, batch, steps, ...)."""
     flat = evidence._flatten(config or {})
@@ -270,6 +278,8 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
     m = summary
     best = _fmt(m.get("best_eval_loss")) + (f" (step {m['best_eval_step']})" if m.get("best_eval_step") is not None else "")
     lines += ["## Results", "", "| metric | value |", "|---|---|",
+              f"| method | {_method(m)} |",
+              f"| trainable parameters | {_fmt(m.get('trainable_params'))} |",
               f"| steps | {_fmt(m.get('steps'))} |",
               f"| final train loss | {_fmt(m.get('final_train_loss'))} |",
               f"| final eval loss | {_fmt(m.get('final_eval_loss'))} |",

@@ -32,9 +32,8 @@ from . import preflight as preflight_lib
 from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv_cache_bytes, rank_items,
                        synthetic_heldout, task_decode, task_evaluate, task_items, task_record)
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
-from .model import (CausalLMWithLoss, build_causal_lm, device_mesh, gathered_copy, load_tokenizer, parallelize,
-                    weights_fingerprint)
-from .tracking import MlflowMetrics
+from .model import (CausalLMWithLoss, add_adapters, adapter_state_dict, build_causal_lm, device_mesh, gathered_copy,
+                    load_tokenizer, parallelize, weights_fingerprint)
 from .watchdog import HangError, LossSpikes, Watchdog
 
 if TYPE_CHECKING:
@@ -212,8 +211,10 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         cache_state = compile_cache.load(cache_uri) if cache_uri else None  # before anything compiles
         with torch.device(device):
             lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
+            adapted = add_adapters(lm, cfg.model.lora) if cfg.model.lora.rank else []
         arch = lm.config
         n_params = sum(p.numel() for p in lm.parameters())
+        n_trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
         unsharded = CausalLMWithLoss(lm, cfg.train.loss_chunk_size, cfg.model.sdpa_backend)
     baseline: PendingTaskEval | None = None
     baseline_due = resume_from is None and cfg.eval.task and cfg.eval.task_at_start
@@ -237,6 +238,8 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         model = parallelize(unsharded, cfg.parallel, mesh, bf16)
         optimizer, schedule = build_optimizer(model, cfg.train)
         identity = checkpoint_lib.run_identity(cfg, world, dataset.fingerprint)
+        if adapted:
+            identity.update(lora_preflight(cfg, run_dir, weights, n_params - n_trainable, bf16))
         checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, device, identity)
 
     # ---- Resume: the run's latest complete checkpoint (or checkpoint.resume's), resharded onto this world size.
@@ -256,7 +259,7 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     else:
         batches = data_lib.micro_batches(dataset.train, mb, rank, world, cfg.train.seed, start=start_micro)
 
-    flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq)
+    flops_tok = flops_per_token(n_params, arch.num_hidden_layers, arch.hidden_size, seq, frozen=n_params - n_trainable)
     logger = None
     if rank == 0:
         sinks = [MlflowMetrics(cfg.logging.mlflow.tracking_uri, loop_config.mlflow_run_id)
@@ -268,7 +271,9 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
               task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
               compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
               latest_checkpoint=resume_from, preempted=launcher.preempted, baseline=baseline)
-    run.log({"kind": "start", "params": n_params, "flops_per_token": flops_tok, "world_size": world,
+    run.log({"kind": "start", "params": n_params, "trainable_params": n_trainable,
+             "method": "lora" if adapted else "full", "lora_rank": cfg.model.lora.rank, "lora_layers": len(adapted),
+             "flops_per_token": flops_tok, "world_size": world,
              "mesh": list(mesh.shape), "sharded": isinstance(model, FSDPModule), "device": str(device), "bf16": bf16,
              "data": dataset.fingerprint, "data_cache": data_cache, "compile_cache": cache_state})
     if resumed is not None or skipped:
@@ -280,6 +285,23 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         if record:
             evidence.update_record(run_dir, record, resumed_from=resume_record)
     return run, weights
+
+
+def lora_preflight(cfg: config_lib.RunConfig, run_dir: str, weights: Callable[[], dict], n_frozen: int,
+                   bf16: bool) -> dict:
+    """A LoRA run's identity keys (`checkpoint.adapter_identity`, from rank 0's fingerprint of the base weights),
+    and, with `model.lora.merged_export`, rank 0's check that the export's storage has room for the merged
+    weights: both before the first step, on every rank (collective)."""
+    problem = None
+    if dist.get_rank() == 0:
+        identity = checkpoint_lib.adapter_identity(cfg, weights())
+        if cfg.model.lora.merged_export:
+            problem = export_lib.merged_room_problem(run_dir, n_frozen * (2 if bf16 else 4))
+    box = [identity if dist.get_rank() == 0 else None, problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise config_lib.ConfigError(box[1])
+    return box[0]
 
 
 def train(run: Run) -> None:
@@ -613,7 +635,9 @@ def start_export(run: Run, lm: PreTrainedModel, acceptance: export_lib.Acceptanc
         run.final_eval = evaluate(run.model, heldout, cfg, run.rank, run.world, run.device)
     reference = {"eval_loss": run.final_eval, "step": cfg.train.max_steps, "world_size": run.world, "heldout": kind}
     batches = heldout_batches(len(heldout), run.world, cfg.train.micro_batch_size, cfg.eval.max_batches)
-    return export_lib.start_export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches, acceptance)
+    adapters = adapter_state_dict(run.model.lm) if cfg.model.lora.rank else None  # collective when sharded
+    return export_lib.start_export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches, acceptance,
+                                   adapters)
 
 
 def finish_export(run: Run, pending: dict | None, acceptance: export_lib.AcceptanceProcess | None) -> dict:
@@ -650,10 +674,11 @@ def in_background(fn: Callable, *args) -> Callable[[], object]:
 
 def build_optimizer(model: torch.nn.Module,
                     cfg: config_lib.TrainConfig) -> tuple[torch.optim.Optimizer, Callable[[int], float]]:
-    """Fused AdamW (which also applies the gradient clipping, `clip_in_step`) with weight decay on matrices only,
-    and the warmup + cosine schedule."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """Fused AdamW (which also applies the gradient clipping, `clip_in_step`) over the trainable parameters, with
+    weight decay on matrices only, and the warmup + cosine schedule."""
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,

@@ -198,6 +198,15 @@ naming the field as the job does, prefixed with `run.`. Input: dict "ctx" $ "run
 {{- else if and (ne $p.float8 "none") (eq $p.mixed_precision "fp32") }}
 {{- fail (printf "run.parallel.float8: %s needs bf16 compute (run.parallel.mixed_precision: auto or bf16), not fp32" $p.float8) }}
 {{- end }}
+{{- $lora := $m.lora }}
+{{- if and (kindIs "invalid" $lora.rank) $lora.merged_export }}
+{{- fail "run.model.lora.merged_export: merges adapters, and run.model.lora.rank is null (a full fine-tune, whose export is already full weights)" }}
+{{- else if and (not (kindIs "invalid" $lora.rank)) (ne $p.float8 "none") }}
+{{- fail (printf "run.model.lora.rank: LoRA does not run with run.parallel.float8: %s; set run.parallel.float8: none or run.model.lora.rank: null" $p.float8) }}
+{{- end }}
+{{- if and $lora.merged_export (not $r.checkpoint.export) }}
+{{- fail "run.model.lora.merged_export: needs run.checkpoint.export: true (the merged weights are part of the export)" }}
+{{- end }}
 {{- range $key := list "fail_at_step" "profile_step" }}
 {{- $step := index $debug $key }}
 {{- if and (not (kindIs "invalid" $step)) (gt (int $step) $maxSteps) }}

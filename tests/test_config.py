@@ -55,6 +55,12 @@ def load_with(**sections):
         ({"train": {"loss_spike_intervals": 0}}, "train.loss_spike_intervals: must be > 0"),
         ({"train": {"hang_timeout_s": 0}, "debug": {"fail_at_step": 3, "fail_mode": "hang"}},
          "debug.fail_mode: hang needs its check on: train.hang_timeout_s is 0"),
+        ({"model": {"lora": {"rank": 0}}}, "model.lora.rank: must be > 0 (null: full fine-tune), got 0"),
+        ({"model": {"lora": {"rank": 8, "dropout": 1}}}, "model.lora.dropout: must be within [0, 1)"),
+        ({"model": {"lora": {"rank": 8, "targets": []}}}, "model.lora.targets: expected a non-empty list"),
+        ({"model": {"lora": {"rank": 8}}, "parallel": {"float8": "rowwise"}, "scaling": {"use_gpu": True}},
+         "model.lora.rank: LoRA does not run with parallel.float8: rowwise"),
+        ({"model": {"lora": {"merged_export": True}}}, "model.lora.merged_export: merges adapters, and model.lora.rank is null"),
     ],
 )
 def test_bad_input_names_the_field(sections, message):
