@@ -304,6 +304,10 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
     assert record["status"] == "succeeded" and record["error"] is None, record["error"]
     assert record["extra"]["resumed_from"]["step"] == resume_at >= saved_step
     assert record["metrics"]["steps"] == resume_at + 2
+    # It trained beside the abandoned record (attempts/2), and, having succeeded, its record and config are the run's.
+    assert record["record_file"] == "run.json" and record["later_attempts"] == []
+    for config in ("config.yaml", "attempts/2/config.yaml"):
+        assert yaml.safe_load(open(os.path.join(run_dir, config)))["train"]["max_steps"] == resume_at + 2
     (abandoned,) = record["previous_attempts"]
     err = abandoned["error"]
     assert (abandoned["status"], err["class"], err["reason"], err["exception"], err["rank"]) == \
