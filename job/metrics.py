@@ -88,26 +88,37 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class TensorBoardLog:
-    """Rank 0's TensorBoard event file in `<run_dir>/tensorboard/`, one per attempt (tensorboardX, which the Ray
-    image ships). A resumed attempt's file starts with a purge at its first step, so TensorBoard hides what an
-    earlier attempt logged past the resume point, as metrics.jsonl drops it. Object storage gets the file
-    written in a local folder and uploaded whole after each record (event files are small); tensorboardX's own
-    S3 writer knows neither fsspec's endpoint settings nor atomic writes."""
+    """Rank 0's TensorBoard event file in `<run_dir>/tensorboard/`, one per attempt, written with tensorboardX's
+    (the Ray image ships it) synchronous record writer: each record is on disk when `log` returns (its
+    `SummaryWriter` queues events to a thread that flushes every two minutes, which a live TensorBoard or a
+    killed attempt would miss). A resumed attempt's file starts with a purge at its first step, so TensorBoard
+    hides what an earlier attempt logged past the resume point, as metrics.jsonl drops it. Object storage gets
+    the file written in a local folder and uploaded whole after each record (event files are small);
+    tensorboardX's own S3 writer knows neither fsspec's endpoint settings nor atomic writes."""
 
     def __init__(self, run_dir: str, purge_step: int):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         self.remote = storage.join(run_dir, TENSORBOARD_DIR) if storage.is_remote(run_dir) else None
         self.folder = (tempfile.mkdtemp(prefix="tensorboard-") if self.remote
                        else os.path.join(storage.local_path(run_dir), TENSORBOARD_DIR))
-        self.writer = SummaryWriter(self.folder, purge_step=purge_step)
+        os.makedirs(self.folder, exist_ok=True)
+        # Named by the second and host, and the process: two attempts within a second write two files.
+        self.writer = EventsWriter(os.path.join(self.folder, "events"), filename_suffix=f".{os.getpid()}")
+        self.writer.write_event(Event(step=purge_step, wall_time=time.time(),
+                                      session_log=SessionLog(status=SessionLog.START)))
+        self.writer.flush()
 
     def log(self, record: dict) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
         values = scalars(record)
         if not values:
             return
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, record["step"], walltime=record["time"])
+            self.writer.write_event(Event(wall_time=record["time"], step=record["step"], summary=scalar(tag, value)))
         self.writer.flush()
         if self.remote:
             for name in os.listdir(self.folder):
