@@ -64,8 +64,9 @@ build() {
   [[ -f $py_prefix/lib/libpython3.13.so.1.0 ]] ||
     { log "$py_prefix has no libpython3.13.so.1.0 (a shared build, as pyenv's, is what is copied)"; exit 1; }
 
-  work=$(mktemp -d "$IMAGES/.build.XXXXXX")  # global: the EXIT trap removes it
-  trap 'rm -rf "$work"' EXIT
+  # A failed or interrupted build leaves nothing: the archive is written as .partial and renamed when complete.
+  exclude=$(mktemp)  # global, as the EXIT trap reads it
+  trap 'rm -f "$archive.partial" "$archive.partial.json" "$exclude"' EXIT
 
   log "layer 1: Debian $SUITE rootfs, Python from $py_prefix, /opt/venv"
   # The hooks (this script's `rootfs-hook`) run on the host with the rootfs as their first argument.
@@ -78,16 +79,15 @@ build() {
     "$SUITE" - "deb http://deb.debian.org/debian $SUITE main" \
     "deb http://deb.debian.org/debian $SUITE-updates main" \
     "deb http://deb.debian.org/debian-security $SUITE-security main" |
-    "${NICE[@]}" python3 "$helper" layer "$work" > /dev/null
+    "${NICE[@]}" python3 "$helper" layer "$archive"
 
   log "layer 2: $site, less the NVIDIA libraries nothing links"
-  local exclude=$work/exclude
   python3 "$helper" trim "$site" | sed 's|^|./|' > "$exclude"
   log "  leaving out $(wc -l < "$exclude") libraries, $(cd "$site" && du -ch $(sed 's|^\./||' "$exclude") | tail -n 1 | cut -f1)"
   # mtimes are kept: the .pyc files are checked against their sources' (the image sets PYTHONDONTWRITEBYTECODE).
   "${NICE[@]}" tar -C "$site" --sort=name --owner=0 --group=0 --numeric-owner --exclude-from="$exclude" \
     --transform='s|^\./*|opt/venv/lib/python3.13/site-packages/|' -cf - . |
-    "${NICE[@]}" python3 "$helper" layer "$work" > /dev/null
+    "${NICE[@]}" python3 "$helper" layer "$archive"
 
   local ray_version config
   ray_version=$("$VENV/bin/python" -c 'import ray; print(ray.__version__)')
@@ -113,8 +113,10 @@ print(json.dumps({
         {"created_by": f"site-packages of {site} (requirements-image.txt)"},
     ],
 }))' "$ray_version" "$SUITE" "$py_prefix" "$site")
-  "${NICE[@]}" python3 "$helper" archive "$work" "$archive" "$config" --ref "$ref" --ref "$NAME:image-set"
+  python3 "$helper" finish "$archive" "$config" --ref "$ref" --ref "$NAME:image-set"
   log "built $archive ($(du -h "$archive" | cut -f1)) in $((SECONDS - t0)) s"
+  # Only the current build is cache: an archive of other inputs is never used again.
+  find "$IMAGES" -maxdepth 1 -name 'ray-finetune-test-*.oci.tar' ! -path "$archive" -print -delete | sed 's/^/k8s-image: removed /' >&2
 }
 
 # rootfs-hook ROOTFS PY_PREFIX VENV_PREFIX: mmdebstrap's customize hook. The interpreter is pyenv's shared build:
@@ -137,7 +139,7 @@ rootfs_hook() {
   local venv_real interpreter
   venv_real=$(realpath "$venv_prefix")
   for script in "$venv_prefix"/bin/*; do
-    [[ -f $script && ! -L $script ]] || continue
+    [[ -f $script && ! -L $script && $(head -c 2 "$script") == '#!' ]] || continue
     interpreter=$(head -n 1 "$script")
     interpreter=${interpreter#\#!}
     # pip wrote the path the venv was made under, which a symlink (.venv-image -> /work/main's) may hide.

@@ -1,83 +1,102 @@
 #!/usr/bin/env python3
 """OCI packaging for scripts/k8s-image.sh, standard library only.
 
-  oci-image.py layer DIR < tar          compress one layer tar (stdin) with zstd into DIR/blobs/sha256/; prints its
-                                        JSON descriptor (digest, size, diff_id: the uncompressed tar's digest)
-  oci-image.py archive DIR OUT CONFIG --ref NAME ...
-                                        write the image config (CONFIG: a JSON object of `config`/`history` keys),
-                                        manifest and index for the layers made so far, and pack DIR into the OCI
-                                        image archive OUT (`ctr images import`, `skopeo copy oci-archive:`), one index
-                                        entry per reference; DIR's blobs are removed as they are packed
+  oci-image.py layer ARCHIVE < tar      compress one layer tar (stdin) with zstd straight into the archive being
+                                        written (ARCHIVE.partial); its descriptor (digest, size, diff_id: the
+                                        uncompressed tar's digest) goes to ARCHIVE.partial.json
+  oci-image.py finish ARCHIVE CONFIG --ref NAME ...
+                                        add the image config (CONFIG: a JSON object of `config`/`history` keys),
+                                        manifest and index for those layers, one index entry per reference, and
+                                        close the archive: an OCI image layout as a tar (`ctr images import`,
+                                        `skopeo copy oci-archive:`), renamed to ARCHIVE when complete
   oci-image.py trim SITE_PACKAGES       print the NVIDIA libraries no shared library outside nvidia/ loads, directly
                                         or through other libraries (DT_NEEDED): only dlopen()ed for GPU work
   oci-image.py pins PYTHON REQUIREMENTS fail with one line per `name==version` pin of REQUIREMENTS that PYTHON's
                                         environment lacks or has at another version
+
+The layers are written into the archive as they are compressed (the member's header is filled in once the digest
+and size are known), so the disk holds each compressed layer once, and the blobs come before index.json, which
+importers read whole before resolving.
 """
 
 import argparse
 import hashlib
-import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 
 LAYER_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+zstd"
 CHUNK = 1 << 20
 
 
-def _blob_path(directory: str, digest: str) -> str:
-    return os.path.join(directory, "blobs", "sha256", digest.removeprefix("sha256:"))
+def _member(f, name: str, size: int) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = size, 0o644
+    f.write(info.tobuf(format=tarfile.USTAR_FORMAT))
 
 
-def _write_blob(directory: str, data: bytes, media_type: str) -> dict:
+def _pad(f, size: int) -> None:
+    f.write(b"\0" * (-size % tarfile.BLOCKSIZE))
+
+
+def _add_json(f, document: dict, media_type: str, name: str | None = None) -> dict:
+    data = json.dumps(document, sort_keys=True).encode()
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    os.makedirs(os.path.dirname(_blob_path(directory, digest)), exist_ok=True)
-    with open(_blob_path(directory, digest), "wb") as f:
-        f.write(data)
+    _member(f, name or "blobs/sha256/" + digest.removeprefix("sha256:"), len(data))
+    f.write(data)
+    _pad(f, len(data))
     return {"mediaType": media_type, "digest": digest, "size": len(data)}
 
 
-def layer(directory: str) -> None:
-    """Stream stdin through zstd into a blob, hashing both sides; the descriptors accumulate in DIR/layers.json."""
-    os.makedirs(os.path.join(directory, "blobs", "sha256"), exist_ok=True)
-    partial = os.path.join(directory, "layer.partial")
-    diff_id = hashlib.sha256()
-    with open(partial, "wb") as out:
-        zstd = subprocess.Popen(["zstd", "-q", "-T0", "-3", "-c"], stdin=subprocess.PIPE, stdout=out)
-        while chunk := sys.stdin.buffer.read(CHUNK):
-            diff_id.update(chunk)
-            zstd.stdin.write(chunk)
-        zstd.stdin.close()
+def layer(archive: str) -> None:
+    """Stream stdin through zstd into the archive, hashing both sides; the descriptors accumulate beside it."""
+    partial, layers_file = archive + ".partial", archive + ".partial.json"
+    layers = json.load(open(layers_file)) if os.path.exists(layers_file) else []
+    diff_id, digest = hashlib.sha256(), hashlib.sha256()
+    with open(partial, "r+b" if layers else "wb") as f:
+        f.seek(0, os.SEEK_END)
+        header = f.tell()
+        f.write(b"\0" * tarfile.BLOCKSIZE)  # the member's header, once its name (the digest) and size are known
+        zstd = subprocess.Popen(["zstd", "-q", "-T0", "-3", "-c"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        feeder = threading.Thread(target=_feed, args=(zstd.stdin, diff_id))
+        feeder.start()
+        size = 0
+        while chunk := zstd.stdout.read(CHUNK):
+            digest.update(chunk)
+            f.write(chunk)
+            size += len(chunk)
+        feeder.join()
         if zstd.wait() != 0:
             sys.exit(f"oci-image: zstd exited with {zstd.returncode}")
-    digest = hashlib.sha256()
-    with open(partial, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    descriptor = {
-        "mediaType": LAYER_MEDIA_TYPE,
-        "digest": "sha256:" + digest.hexdigest(),
-        "size": os.path.getsize(partial),
-        "diff_id": "sha256:" + diff_id.hexdigest(),
-    }
-    os.replace(partial, _blob_path(directory, descriptor["digest"]))
-    layers_file = os.path.join(directory, "layers.json")
-    layers = json.load(open(layers_file)) if os.path.exists(layers_file) else []
+        _pad(f, size)
+        end = f.tell()
+        f.seek(header)
+        _member(f, "blobs/sha256/" + digest.hexdigest(), size)
+        f.seek(end)
+    descriptor = {"mediaType": LAYER_MEDIA_TYPE, "digest": "sha256:" + digest.hexdigest(), "size": size,
+                  "diff_id": "sha256:" + diff_id.hexdigest()}
     with open(layers_file, "w") as f:
         json.dump(layers + [descriptor], f)
-    print(json.dumps(descriptor))
 
 
-def archive(directory: str, out: str, config_json: str, refs: list[str]) -> None:
-    layers = json.load(open(os.path.join(directory, "layers.json")))
+def _feed(sink, diff_id) -> None:
+    while chunk := sys.stdin.buffer.read(CHUNK):
+        diff_id.update(chunk)
+        sink.write(chunk)
+    sink.close()
+
+
+def finish(archive: str, config_json: str, refs: list[str]) -> None:
+    partial, layers_file = archive + ".partial", archive + ".partial.json"
+    layers = json.load(open(layers_file))
     image = json.loads(config_json)
-    config = _write_blob(
-        directory,
-        json.dumps(
+    with open(partial, "ab") as f:
+        config = _add_json(
+            f,
             {
                 "architecture": "amd64",
                 "os": "linux",
@@ -86,56 +105,37 @@ def archive(directory: str, out: str, config_json: str, refs: list[str]) -> None
                 "rootfs": {"type": "layers", "diff_ids": [layer["diff_id"] for layer in layers]},
                 "history": image["history"],
             },
-            sort_keys=True,
-        ).encode(),
-        "application/vnd.oci.image.config.v1+json",
-    )
-    manifest = _write_blob(
-        directory,
-        json.dumps(
+            "application/vnd.oci.image.config.v1+json",
+        )
+        manifest = _add_json(
+            f,
             {
                 "schemaVersion": 2,
                 "mediaType": "application/vnd.oci.image.manifest.v1+json",
                 "config": config,
                 "layers": [{k: v for k, v in layer.items() if k != "diff_id"} for layer in layers],
             },
-            sort_keys=True,
-        ).encode(),
-        "application/vnd.oci.image.manifest.v1+json",
-    )
-    # containerd names an imported image by `io.containerd.image.name`; `org.opencontainers.image.ref.name` is
-    # the OCI layout's own tag (what skopeo and podman read).
-    index = {
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [
-            {
-                **manifest,
-                "platform": {"architecture": "amd64", "os": "linux"},
-                "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref},
-            }
-            for ref in refs
-        ],
-    }
-    members = {
-        "oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode(),
-        "index.json": json.dumps(index, sort_keys=True).encode(),
-    }
-    partial = out + ".partial"
-    with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, fileobj=io.BytesIO(data))
-        for descriptor in [config, manifest, *layers]:
-            path = _blob_path(directory, descriptor["digest"])
-            info = tarfile.TarInfo("blobs/sha256/" + os.path.basename(path))
-            info.size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                tar.addfile(info, fileobj=f)
-            os.remove(path)  # the disk holds each layer once: in DIR or in the archive
-    os.replace(partial, out)
-    shutil.rmtree(directory)
+            "application/vnd.oci.image.manifest.v1+json",
+        )
+        # containerd names an imported image by `io.containerd.image.name`; `org.opencontainers.image.ref.name`
+        # is the OCI layout's own tag (what skopeo and podman read).
+        index = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "manifests": [
+                {
+                    **manifest,
+                    "platform": {"architecture": "amd64", "os": "linux"},
+                    "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref},
+                }
+                for ref in refs
+            ],
+        }
+        _add_json(f, index, "", name="index.json")
+        _add_json(f, {"imageLayoutVersion": "1.0.0"}, "", name="oci-layout")
+        f.write(b"\0" * 2 * tarfile.BLOCKSIZE)  # end of archive
+    os.replace(partial, archive)
+    os.remove(layers_file)
 
 
 def _needed(path: str) -> list[str]:
@@ -185,10 +185,9 @@ def pins(python: str, requirements: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("layer").add_argument("directory")
-    pack = commands.add_parser("archive")
-    pack.add_argument("directory")
-    pack.add_argument("out")
+    commands.add_parser("layer").add_argument("archive")
+    pack = commands.add_parser("finish")
+    pack.add_argument("archive")
     pack.add_argument("config")
     pack.add_argument("--ref", action="append", required=True)
     commands.add_parser("trim").add_argument("site_packages")
@@ -197,9 +196,9 @@ def main() -> None:
     check.add_argument("requirements")
     args = parser.parse_args()
     if args.command == "layer":
-        layer(args.directory)
-    elif args.command == "archive":
-        archive(args.directory, args.out, args.config, args.ref)
+        layer(args.archive)
+    elif args.command == "finish":
+        finish(args.archive, args.config, args.ref)
     elif args.command == "trim":
         trim(args.site_packages)
     else:
