@@ -23,8 +23,8 @@
 # with the same inputs prints the reference and does nothing else. The archive also names the image
 # localhost/ray-finetune-test:image-set, the tag ci/real-pods-image.yaml points at.
 #
-# Needs: root (mmdebstrap's root mode), .venv-image made (scripts/setup.sh --image; its pins are checked),
-# mmdebstrap, zstd, readelf (apt-get install -y mmdebstrap zstd binutils), Debian's mirror.
+# Needs: .venv-image made (scripts/setup.sh --image; its pins are checked), root (mmdebstrap's root mode), Debian's
+# mirror; mmdebstrap, zstd and readelf are installed from it when missing.
 # K8S_CACHE (default ~/.cache/ray-finetune/k8s), VENV_IMAGE (default .venv-image), K8S_NICE (default 19).
 set -euo pipefail
 
@@ -49,12 +49,12 @@ build() {
   flock 9
   if [[ -f $archive ]]; then log "cached: $archive"; return; fi
   local t0=$SECONDS
-  [[ $EUID == 0 ]] || { log "needs root (mmdebstrap's root mode, chroot)"; exit 1; }
-  local tool
-  for tool in mmdebstrap zstd readelf; do
-    command -v "$tool" > /dev/null || { log "no $tool: apt-get install -y mmdebstrap zstd binutils"; exit 1; }
-  done
   [[ -x $VENV/bin/python ]] || { log "no $VENV: run scripts/setup.sh --image first"; exit 1; }
+  [[ $EUID == 0 ]] || { log "needs root (mmdebstrap's root mode, chroot)"; exit 1; }
+  if ! command -v mmdebstrap > /dev/null || ! command -v zstd > /dev/null || ! command -v readelf > /dev/null; then
+    log "installing the build's tools from Debian: mmdebstrap zstd binutils"
+    apt-get -o DPkg::Lock::Timeout=600 install -y --no-install-recommends mmdebstrap zstd binutils >&2
+  fi
   python3 "$helper" pins "$VENV/bin/python" "$repo_root/requirements-image.txt"
   # The venv's own paths as pip wrote them into its scripts (.venv-image may be a symlink) and its interpreter.
   local venv_prefix py_prefix site
