@@ -4,7 +4,7 @@
 # (docker/ray-train/Dockerfile.cuda of aws/deep-learning-containers): a venv in /opt/venv first on PATH, Python 3.13
 # in /usr/local, WORKDIR /workspace, no USER (root) and no account for uid 1000 (the chart's pods run as 1000 with
 # HOME=/tmp), its ENV minus the CUDA paths. Made without a registry of images:
-#   layer 1: a Debian bookworm rootfs (mmdebstrap, minbase plus bash tools, wget/curl as in the DLC) with the
+#   layer 1: a Debian bookworm rootfs (mmdebstrap, minbase plus netbase, procps, wget/curl as in the DLC) with the
 #            interpreter of .venv-image (pyenv's build for this Debian) copied into /usr/local and an empty
 #            /opt/venv holding .venv-image's console scripts
 #   layer 2: .venv-image's site-packages as they are (no second download or install of the ~5 GB), without the
@@ -72,7 +72,7 @@ build() {
   # The hooks (this script's `rootfs-hook`) run on the host with the rootfs as their first argument.
   local hook="bash '$repo_root/scripts/k8s-image.sh' rootfs-hook \"\$1\" '$py_prefix' '$venv_prefix'"
   "${NICE[@]}" mmdebstrap --mode=root --variant=minbase --format=tar --quiet \
-    --include=ca-certificates,curl,wget,procps,less,libssl3,libffi8,libsqlite3-0,libreadline8,libncursesw6,libexpat1,libbz2-1.0,liblzma5,libuuid1,zlib1g \
+    --include=ca-certificates,netbase,curl,wget,procps,less,libssl3,libffi8,libsqlite3-0,libreadline8,libncursesw6,libexpat1,libbz2-1.0,liblzma5,libuuid1,zlib1g \
     --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
     --dpkgopt='path-include=/usr/share/doc/*/copyright' --dpkgopt='path-exclude=/usr/share/locale/*' \
     --customize-hook="$hook" \
@@ -148,6 +148,10 @@ rootfs_hook() {
     chmod 755 "$root/opt/venv/bin/${script##*/}"
   done
   echo 'PATH=/opt/venv/bin:$PATH' > "$root/etc/profile.d/venv.sh"
+  # Name resolution as in any image: `localhost` resolves without a DNS server (the kubelet mounts its own
+  # /etc/hosts and /etc/resolv.conf over these in a pod), and the build host's resolver is not baked in.
+  printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' > "$root/etc/hosts"
+  rm -f "$root/etc/resolv.conf"
   mkdir -p "$root/workspace"
   unshare --mount sh -c 'mount --bind -o ro "$1/lib/python3.13/site-packages" "$2/opt/venv/lib/python3.13/site-packages" &&
     exec chroot "$2" /usr/bin/env -i PATH=/opt/venv/bin:/usr/bin:/bin HOME=/tmp sh -c "$3"' \
