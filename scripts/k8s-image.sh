@@ -64,9 +64,11 @@ build() {
   [[ -f $py_prefix/lib/libpython3.13.so.1.0 ]] ||
     { log "$py_prefix has no libpython3.13.so.1.0 (a shared build, as pyenv's, is what is copied)"; exit 1; }
 
-  # A failed or interrupted build leaves nothing: the archive is written as .partial and renamed when complete.
+  # A failed or interrupted build leaves nothing: the archive is written as .partial and renamed when complete
+  # (one killed before its trap ran is started over, as layers append).
   exclude=$(mktemp)  # global, as the EXIT trap reads it
   trap 'rm -f "$archive.partial" "$archive.partial.json" "$exclude"' EXIT
+  rm -f "$archive.partial" "$archive.partial.json"
 
   log "layer 1: Debian $SUITE rootfs, Python from $py_prefix, /opt/venv"
   # The hooks (this script's `rootfs-hook`) run on the host with the rootfs as their first argument.
