@@ -92,6 +92,9 @@ VARIANTS = {
     "best-b8-fp8": Variant("torchrun", 8, FP8),
     "hf-peft": Variant("hf", 4, HF_PEFT),
     "hf-peft-liger": Variant("hf", 4, {**HF_PEFT, **LIGER}),
+    "hf-peft-liger-b8": Variant("hf", 8, {**HF_PEFT, **LIGER}),
+    "hf-peft-b2": Variant("hf", 2, HF_PEFT),  # micro-batch 4 runs out of memory on an H100 (fp32 logits)
+    "best-b2-cudnn-lora": Variant("torchrun", 2, LORA),
     "best-cudnn-lora": Variant("torchrun", 4, LORA),
     "best-b8-cudnn-lora": Variant("torchrun", 8, LORA),
     "lora-7b": Variant("torchrun", 1, {**LORA, "model.overrides": QWEN_7B}),
@@ -105,9 +108,14 @@ for suffix, batch in (("", 4), ("-b8", 8)):
     VARIANTS[f"best{suffix}-cudnn-fsdp"] = Variant("torchrun", batch, {**CUDNN, "parallel.fsdp": "always"})
 TREES = REPO / ".devdata" / "trees"
 """Where `Variant.tree`s are: `git archive COMMIT job | tar -x -C .devdata/trees/NAME` (bench/device-bench.sh issue31)."""
-BASELINES = {"vs hf": {}, "vs liger": LIGER, "vs hf+peft": HF_PEFT}
+BASELINES = {"vs hf": {}, "vs liger": LIGER}
 """The ratio columns: each divides by the baseline script's (launcher "hf") row with exactly these options (at the
-same global batch and GPU count, from the same run)."""
+same global batch and GPU count, from the same run); for a LoRA row, these options with `HF_PEFT` (the Trainer
+with peft at the same rank)."""
+
+
+def is_lora(variant: Variant) -> bool:
+    return "model.lora.rank" in variant.overrides or "lora-rank" in variant.overrides
 SCRIPTS = {"hf": "bench/hf_trainer_baseline.py", "titan": "bench/torchtitan_baseline.py"}
 """The peers' scripts, by launcher: run under torchrun with the same options, each prints one JSON line."""
 
@@ -238,9 +246,10 @@ def last_step_logged(metrics: Path, steps: int) -> bool:
 def print_table(rows: list[dict]) -> None:
     """One line per variant; each `BASELINES` column: tokens/s over that baseline's (the baseline script with
     exactly its options) at the same global batch and GPU count, `-` where the run has no such baseline."""
-    baselines = {column: {(r["batch"] * r["accum"], r["gpus"]): r["tokens_per_s_per_device"] for r in rows
-                          if r["launcher"] == "hf" and VARIANTS[r["variant"]].overrides == options and "error" not in r
-                          and "skipped" not in r}
+    baselines = {column: {(r["batch"] * r["accum"], r["gpus"], lora): r["tokens_per_s_per_device"] for r in rows
+                          for lora in (False, True)
+                          if r["launcher"] == "hf" and "error" not in r and "skipped" not in r
+                          and VARIANTS[r["variant"]].overrides == ({**options, **HF_PEFT} if lora else options)}
                  for column, options in BASELINES.items()}
     print(f"{'variant':<27}{'launcher':<10}{'GPUs':>5}{'mb x acc':>9}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
           f"{'mem GiB':>9}" + "".join(f"{column:>10}" for column in BASELINES))
@@ -253,7 +262,7 @@ def print_table(rows: list[dict]) -> None:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
         ratios = ""
         for by_batch in baselines.values():
-            base = by_batch.get((r["batch"] * r["accum"], r["gpus"]))
+            base = by_batch.get((r["batch"] * r["accum"], r["gpus"], is_lora(VARIANTS[r["variant"]])))
             ratios += f"{r['tokens_per_s_per_device'] / base:>10.2f}" if base else f"{'-':>10}"
         print(f"{head}{r['tokens_per_s_per_device']:>11.0f}{mfu:>7}{r['step_time_s']:>8.3f}{mem:>9}{ratios}")
 

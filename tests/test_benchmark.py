@@ -69,6 +69,24 @@ def test_ratios_are_to_the_baseline_as_specified_not_to_its_variants(capsys):
     assert lines[-1].startswith("best-fp8") and lines[-1].endswith("SKIPPED --budget 400 s used up")
 
 
+def test_lora_rows_are_compared_with_the_trainer_and_peft(capsys):
+    """A LoRA row's ratios are to the Trainer with peft (plain, and with Liger) at its global batch, never to the
+    full fine-tune's Trainer rows; the full fine-tune's ratios stay with those."""
+    benchmark = load_benchmark()
+    row = dict(gpus=1, batch=4, accum=1, mfu=None, step_time_s=1.0, peak_mem_gib=None)
+    benchmark.print_table([
+        {**row, "variant": "hf", "launcher": "hf", "tokens_per_s_per_device": 100.0},
+        {**row, "variant": "hf-peft-liger", "launcher": "hf", "tokens_per_s_per_device": 80.0},
+        {**row, "variant": "best-cudnn-lora", "launcher": "torchrun", "tokens_per_s_per_device": 120.0},
+        {**row, "variant": "best-cudnn", "launcher": "torchrun", "tokens_per_s_per_device": 110.0},
+        {**row, "variant": "hf-peft-b2", "launcher": "hf", "batch": 2, "tokens_per_s_per_device": 50.0},
+        {**row, "variant": "best-b2-cudnn-lora", "launcher": "torchrun", "batch": 2, "tokens_per_s_per_device": 70.0},
+    ])
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[-2:] for line in lines] == [
+        ["1.00", "-"], ["-", "1.00"], ["-", "1.50"], ["1.10", "-"], ["1.00", "-"], ["1.40", "-"]]
+
+
 def test_liger_and_fp8_variants_pass_their_options():
     """`hf-liger` passes the baseline script's `--liger` flag; the FP8 rows are best-cudnn plus rowwise float8."""
     benchmark = load_benchmark()

@@ -68,6 +68,17 @@ def test_resume_refuses_another_base_or_method():
         checkpoint_lib.check_identity("ckpt", {"identity": full}, identity, [])
 
 
+def test_a_merged_export_that_would_not_fit_is_named_before_training(tmp_path):
+    import shutil
+
+    from job.export import merged_room_problem
+
+    free = shutil.disk_usage(tmp_path).free
+    assert merged_room_problem(str(tmp_path / "runs" / "r"), free // 2) is None
+    problem = merged_room_problem(str(tmp_path / "runs" / "r"), 2 * free)
+    assert problem.startswith(f"model.lora.merged_export: the merged weights need {2 * free / 1e9:.2f} GB and {tmp_path}")
+
+
 def test_checkpoints_hold_the_adapters_and_resume_exactly_after_a_killed_worker(lora_reference, tmp_path):
     start = _records(lora_reference, "start")[0]
     saved = _final_weights(lora_reference)
