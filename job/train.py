@@ -34,6 +34,7 @@ from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, add_adapters, adapter_state_dict, build_causal_lm, device_mesh, gathered_copy,
                     load_tokenizer, parallelize, weights_fingerprint)
+from .tracking import MlflowMetrics
 from .watchdog import HangError, LossSpikes, Watchdog
 
 if TYPE_CHECKING:
