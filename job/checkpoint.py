@@ -935,6 +935,17 @@ def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_block
     return epoch * per_rank_new + start, position % (world * mb) == 0
 
 
+
+def schedule_changes(state: dict, cfg: config_lib.RunConfig) -> dict[str, list]:
+    """The learning-rate schedule's settings that differ from the checkpoint's, `{field: [saved, now]}`. The rate
+    is a pure function of the step and these settings, so a change (e.g. a nearer `train.max_steps`, which
+    recomputes the cosine) changes every update from the resumed step on: the losses after the first resumed step
+    then differ from those an attempt with the saved settings logged."""
+    saved = state.get("lr_schedule", {})
+    now = {"lr": cfg.train.lr, "warmup_steps": cfg.train.warmup_steps, "max_steps": cfg.train.max_steps,
+           "min_lr_ratio": cfg.train.min_lr_ratio}
+    return {field: [saved[field], value] for field, value in now.items() if saved.get(field, value) != value}
+
 # --------------------------------------------------------------------------------------------------------------------
 # Fault injection and worker pids (tests and failure drills)
 # --------------------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, add_adapters, adapter_state_dict, build_causal_lm, device_mesh, gathered_copy,
                     load_tokenizer, parallelize, weights_fingerprint)
+from .tracking import MlflowMetrics
 from .watchdog import HangError, LossSpikes, Watchdog
 
 if TYPE_CHECKING:
@@ -280,7 +281,8 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         resume_record = {"step": start_step, "checkpoint": resume_from, "skipped": skipped}
         if resumed is not None:
             resume_record.update(saved_world_size=resumed["world_size"], micro_batch_index=start_micro,
-                                 data_exact=data_exact)
+                                 data_exact=data_exact,
+                                 lr_schedule_changes=checkpoint_lib.schedule_changes(resumed, cfg))
         run.log({"kind": "resume", **resume_record})
         if record:
             evidence.update_record(run_dir, record, resumed_from=resume_record)

@@ -140,7 +140,7 @@ def test_fault_injection_recovers_in_run(reference, tmp_path):
                   debug={"fail_at_step": 7, "fail_rank": 1})
     run_dir = _run(cfg)
     (resume,) = _records(run_dir, "resume")
-    assert resume["step"] == 4 and resume["data_exact"]
+    assert resume["step"] == 4 and resume["data_exact"] and resume["lr_schedule_changes"] == {}
     assert os.path.exists(f"{run_dir}/faults/step7-rank1")
     _assert_same_training(run_dir, reference)
 

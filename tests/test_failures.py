@@ -266,11 +266,16 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
     # scripts/drills.sh's kill-driver: SIGKILL the driver's process group and its Ray workers (a lost head pod;
     # the workers would otherwise finish the run without it), then start the same run again. Both attempts log to
     # one MLflow run on a real tracking server.
+    import mlflow
     from servers import mlflow_server
 
     server = contextlib.ExitStack()
     tracking_uri = str(server.enter_context(mlflow_server(tmp_path / "mlflow")))
-    cmd, env, run_dir = _driver(tmp_path, "killed", train={"max_steps": 5000, "warmup_steps": 1},
+    # A constant learning rate after warmup (min_lr_ratio 1): the second attempt's nearer end recomputes the cosine
+    # schedule (docs/checkpoints.md), which would change every update after the resume point, and so every loss
+    # after the first resumed step; at a constant rate a step both attempts trained must log the same loss.
+    cmd, env, run_dir = _driver(tmp_path, "killed",
+                                train={"max_steps": 5000, "warmup_steps": 1, "min_lr_ratio": 1.0},
                                 logging={"every_steps": 1, "mlflow": {"tracking_uri": tracking_uri}},
                                 checkpoint={"every_steps": 4, "export": False})
     with open(tmp_path / "killed.log", "w") as log:
@@ -303,6 +308,7 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
         record["lease"]["took_over"]["stale"], record["lease"]
     assert record["status"] == "succeeded" and record["error"] is None, record["error"]
     assert record["extra"]["resumed_from"]["step"] == resume_at >= saved_step
+    assert record["extra"]["resumed_from"]["lr_schedule_changes"] == {"max_steps": [5000, resume_at + 2]}
     assert record["metrics"]["steps"] == resume_at + 2
     # It trained beside the abandoned record (attempts/2), and, having succeeded, its record and config are the run's.
     assert record["record_file"] == "run.json" and record["later_attempts"] == []
@@ -316,6 +322,18 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
     assert err["step"] == abandoned["steps"] == killed_after and abandoned["ended_at"]  # what it knew, kept
     with server:
         check_mlflow_run(tracking_uri, run_dir, record, last_logged=max(killed_after, resume_at + 2))
+        # Exact resume: the steps both attempts trained (a save completes only after a later step is logged, so
+        # there is at least one) have one loss and one learning rate, each attempt's point the same.
+        client = mlflow.MlflowClient(tracking_uri)
+        run_id = json.load(open(os.path.join(run_dir, "mlflow.json")))["run_id"]
+        trained_twice = range(resume_at + 1, min(killed_after, resume_at + 2) + 1)
+        assert trained_twice
+        for metric in ("train/loss", "train/lr"):
+            points = {}
+            for m in client.get_metric_history(run_id, metric):
+                points.setdefault(m.step, []).append(m.value)
+            assert {step: points[step] for step in trained_twice} == \
+                {step: [points[step][0]] * 2 for step in trained_twice}, metric
 
 
 def check_mlflow_run(tracking_uri: str, run_dir: str, record: dict, last_logged: int) -> None:
