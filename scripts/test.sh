@@ -21,12 +21,23 @@ mkdir -p "$(dirname "$build_log")"
 ( t0=$SECONDS status=0; bash scripts/k8s-up.sh build > "$build_log" 2>&1 || status=$?
   echo "# control-plane build (background, $build_log): $((SECONDS - t0)) s (exit $status)" ) &
 
+# The real-pod tests' container image (scripts/k8s-image.sh: Debian rootfs + .venv-image, a cached OCI archive) is
+# built from .venv-image once that exists, also in the background; `scripts/k8s-image.sh import <address>` from a
+# test waits for this build (a lock) and then imports the archive it left.
+start_test_image_build() {
+  local log=${K8S_CACHE:-$HOME/.cache/ray-finetune/k8s}/image-build.log
+  ( t0=$SECONDS status=0; bash scripts/k8s-image.sh > "$log" 2>&1 || status=$?
+    echo "# test image build (background, $log): $((SECONDS - t0)) s (exit $status)" ) &
+}
+
 leg "setup (.venv, helm)" bash scripts/setup.sh --dev
 # The image set's environment (mostly downloads and unpacking) is made in the background beside the pinned tests.
 if [[ "${IMAGE_SET:-1}" != 0 ]]; then
   image_log=$(mktemp "${TMPDIR:-/tmp}/setup-image.XXXXXX.log")
   ( t0=$SECONDS status=0; bash scripts/setup.sh --image > "$image_log" 2>&1 || status=$?
-    echo "# setup (.venv-image, background): $((SECONDS - t0)) s (exit $status)"; exit $status ) &
+    echo "# setup (.venv-image, background): $((SECONDS - t0)) s (exit $status)"
+    [[ $status == 0 ]] && start_test_image_build
+    exit $status ) &
   image_setup=$!
 fi
 # A passing test's tmp_path is deleted when it ends: the checkpoints of the pretrained and resume tests add up to
