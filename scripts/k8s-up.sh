@@ -126,10 +126,15 @@ gen_certs() {
   [[ -f $d/apiserver.crt ]] && return
   mkdir -p "$d"
   log "generating CA, serving cert, service-account keys and admin token in $d"
+  # The key usages and key identifiers a strict verifier requires (Python 3.13's ssl default, in the real node's
+  # Pods: without them the job could not read its own Pod and the helm test Pod not its RayJob).
   openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=k8s-up-ca \
+    -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign \
     -keyout "$d/ca.key" -out "$d/ca.crt" 2>/dev/null
   openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver -keyout "$d/apiserver.key" -out "$d/apiserver.csr" 2>/dev/null
-  printf 'subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n' > "$d/san.ext"
+  { printf 'subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n'
+    printf 'keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n'
+    printf 'subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n'; } > "$d/san.ext"
   openssl x509 -req -in "$d/apiserver.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial -days 3650 \
     -extfile "$d/san.ext" -out "$d/apiserver.crt" 2>/dev/null
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
