@@ -289,6 +289,8 @@ stop() {  # stop <name>...: what `start` started, in that order
 }
 
 cmd_down() {
+  # The port `up` served on (the API server is drained through it), whatever this call's flags default to.
+  [[ -f $STATE/kubeconfig ]] && PORT=$(sed -n 's|^ *server: https://127.0.0.1:\([0-9]*\)$|\1|p' "$STATE/kubeconfig")
   # The controllers that would recreate Pods go first; a real node is drained while the API server still runs.
   stop ray-operator kwok kube-scheduler kube-controller-manager
   if [[ -f $STATE/netns ]]; then
