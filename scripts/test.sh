@@ -41,7 +41,7 @@ if [[ "${IMAGE_SET:-1}" != 0 ]]; then
   image_log=$(mktemp "${TMPDIR:-/tmp}/setup-image.XXXXXX.log")
   ( t0=$SECONDS status=0; bash scripts/setup.sh --image > "$image_log" 2>&1 || status=$?
     echo "# setup (.venv-image, background): $((SECONDS - t0)) s (exit $status)"
-    [[ $status == 0 ]] && start_test_image_build
+    [[ $status == 0 && "${REAL_PODS:-0}" == 1 ]] && start_test_image_build
     exit $status ) &
   image_setup=$!
 fi
