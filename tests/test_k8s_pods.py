@@ -173,17 +173,20 @@ def test_a_deleted_worker_pod_is_survived_by_resuming(node):
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
+@pytest.mark.skip(reason="not yet seen passing: on its one run (2026-12-06) the head, deleted with its 120 s grace "
+                         "period, outlived the 400 steps and the job SUCCEEDED before it went; now deleted at once, "
+                         "with more steps, and unrun")
 def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     """The head Pod deleted mid-run: the Ray cluster's state (GCS, the job) goes with it. With `rayJob.backoffLimit:
     1`, KubeRay retries the RayJob (a new cluster), whose driver resumes the same run from its last checkpoint."""
-    release, steps = "head", 400
+    release, steps = "head", 2000
     namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={steps}",
                              "--set", "run.checkpoint.every_steps=10", "--set", f"run.eval.every_steps={steps}",
                              "--set", "rayJob.backoffLimit=1")
     saved = wait_until("a complete checkpoint", lambda: node.metrics(release, "checkpoint"),
                        timeout_s=600, interval_s=1)
     (head,) = node.pods(namespace, "ray.io/node-type=head")
-    node.core.delete_namespaced_pod(head.metadata.name, namespace)
+    node.core.delete_namespaced_pod(head.metadata.name, namespace, grace_period_seconds=0)  # as a crash
     status = node.wait_for_job_end(namespace, timeout_s=1200)
     print(f"RayJob after the head's deletion: {status}")
     assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
