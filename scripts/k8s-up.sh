@@ -5,14 +5,22 @@
 # k8s/tools/<component>/ (their go.mod/go.sum pin the upstream versions; sources from the Go module proxy),
 # into a cache outside the repo.
 #
-# Usage: scripts/k8s-up.sh build   build every missing binary into $K8S_CACHE/bin (a missing one is built, never skipped)
-#        scripts/k8s-up.sh up      build, then start everything; prints the state dir and the kubeconfig
-#        scripts/k8s-up.sh down    stop what `up` started (pid files in the state dir)
-#        scripts/k8s-up.sh env     print `export KUBECONFIG=...`
+# Usage: scripts/k8s-up.sh build [--real-node]   build every missing binary into $K8S_CACHE/bin (a missing one is
+#                                                built, never skipped); --real-node: the node's binaries too
+#        scripts/k8s-up.sh up [--real-node]      build, then start everything; prints the state dir and the kubeconfig
+#        scripts/k8s-up.sh down [--real-node]    stop what `up` started (pid files in the state dir) and clean up
+#        scripts/k8s-up.sh import <archive>...   load OCI image archives into the real node's containerd
+#        scripts/k8s-up.sh env [--real-node]     print `export KUBECONFIG=...`
 #
-# K8S_CACHE   (default ~/.cache/ray-finetune/k8s): bin/ holds the binaries
-# K8S_STATE   (default $K8S_CACHE/state): certs, keys, token, kubeconfig, etcd data, logs, pid files
-# K8S_PORT    (default 26443): kube-apiserver's secure port; the other components take fixed ports near it
+# --real-node: instead of kwok's simulated nodes, one real node (containerd, runc, the CNI bridge, kubelet,
+# kube-proxy, CoreDNS) in a network namespace of its own, with the control plane inside it; only a relay of the
+# API server's port reaches the host's loopback. scripts/k8s-node.sh says how and why.
+#
+# K8S_CACHE   (default ~/.cache/ray-finetune/k8s): bin/ holds the binaries, images/ the pause image
+# K8S_STATE   (default $K8S_CACHE/state, with --real-node $K8S_CACHE/state-node): certs, keys, token, kubeconfig,
+#             etcd data, logs, pid files (and the real node's containerd, kubelet and CNI state)
+# K8S_PORT    (default 26443, with --real-node 27443): kube-apiserver's secure port; the other components take fixed
+#             ports near it
 # K8S_CRDS    (default ../shared/kuberay-crds, the chart's v1.7.0 CRDs; required when that is absent)
 #
 # The KubeRay operator is v1.7.0, the version the chart targets: the proxy refuses its zip (403), so its source is
@@ -21,10 +29,12 @@ set -euo pipefail
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools="$repo_root/k8s/tools"
+REAL_NODE=0
+[[ ${2:-} == --real-node || ${1:-} == import ]] && REAL_NODE=1
 CACHE=${K8S_CACHE:-$HOME/.cache/ray-finetune/k8s}
-STATE=${K8S_STATE:-$CACHE/state}
+if ((REAL_NODE)); then STATE=${K8S_STATE:-$CACHE/state-node}; PORT=${K8S_PORT:-27443}
+else STATE=${K8S_STATE:-$CACHE/state}; PORT=${K8S_PORT:-26443}; fi
 BIN="$CACHE/bin"
-PORT=${K8S_PORT:-26443}
 ETCD_PORT=$((PORT - 2600))      # 23843 client
 ETCD_PEER=$((PORT - 2599))      # 23844 peer
 KCM_PORT=$((PORT - 6186))       # 20257
@@ -37,14 +47,14 @@ NICE=(nice -n "${K8S_NICE:-19}")
 log() { echo "k8s-up: $*" >&2; }
 
 # build_one <tool dir> <output> <go build flags and packages>...: go build in the wrapper module, timed, into $BIN; skipped when the
-# binaries were built from the same go.mod/go.sum and flags (a stamp per wrapper), so a version bump rebuilds, and
+# binaries were built from the same go.mod/go.sum and flags (a stamp per wrapper and first binary), so a version bump rebuilds, and
 # every output is there (a deleted binary is rebuilt). An output ending in / is a directory: `go build -o dir/`
 # writes one binary per package argument (those not starting with - and without spaces), named after its last element.
 # A wrapper whose go.mod replaces a module with vendored source (k8s/third_party/*) has that source checked
 # against its SHA256SUMS first, and the list is part of the stamp.
 build_one() {
   local dir=$1 out=$2; shift 2
-  local stamp=$BIN/.$dir.stamp sum vendored
+  local stamp sum vendored
   vendored=$(sed -n 's|^replace .* => \(\.\./.*\)$|\1|p' "$tools/$dir/go.mod")
   if [[ -n $vendored ]]; then
     (cd "$tools/$dir/$vendored" && sha256sum --check --quiet SHA256SUMS) ||
@@ -59,6 +69,7 @@ build_one() {
   else
     outputs=("$out")
   fi
+  stamp=$BIN/.$dir-${outputs[0]##*/}.stamp  # per wrapper and binaries: the node's build is apart from the control plane's
   if [[ -f $stamp && $(cat "$stamp") == "$sum" ]]; then
     local missing=()
     for arg in "${outputs[@]}"; do [[ -x $arg ]] || missing+=("${arg##*/}"); done
@@ -90,8 +101,16 @@ cmd_build() {
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
   build_one etcd "$BIN/etcd" -ldflags "$strip" go.etcd.io/etcd/server/v3
-  build_one kwok "$BIN/kwok" -ldflags "$strip" sigs.k8s.io/kwok/cmd/kwok
+  # `up --real-node` starts no kwok; `build --real-node` (CI's background build) builds it for the kwok tests too.
+  [[ ${1:-} == --no-kwok ]] || build_one kwok "$BIN/kwok" -ldflags "$strip" sigs.k8s.io/kwok/cmd/kwok
   build_one ray-operator "$BIN/ray-operator" -ldflags "$strip" github.com/ray-project/kuberay/ray-operator
+  if ((REAL_NODE)); then
+    node_packages
+    build_one kubernetes "$BIN/" \
+      -ldflags "$strip -X $v.gitVersion=$k8s -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=clean" \
+      k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
+    build_one coredns "$BIN/coredns" -ldflags "$strip" .
+  fi
   du -sh "$BIN" >&2
   exec {lock}>&-  # the components `up` starts next must not inherit (and hold) the lock
 }
@@ -107,10 +126,15 @@ gen_certs() {
   [[ -f $d/apiserver.crt ]] && return
   mkdir -p "$d"
   log "generating CA, serving cert, service-account keys and admin token in $d"
+  # The key usages and key identifiers a strict verifier requires (Python 3.13's ssl default, in the real node's
+  # Pods: without them the job could not read its own Pod and the helm test Pod not its RayJob).
   openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=k8s-up-ca \
+    -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign \
     -keyout "$d/ca.key" -out "$d/ca.crt" 2>/dev/null
   openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver -keyout "$d/apiserver.key" -out "$d/apiserver.csr" 2>/dev/null
-  printf 'subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n' > "$d/san.ext"
+  { printf 'subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n'
+    printf 'keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n'
+    printf 'subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n'; } > "$d/san.ext"
   openssl x509 -req -in "$d/apiserver.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial -days 3650 \
     -extfile "$d/san.ext" -out "$d/apiserver.crt" 2>/dev/null
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
@@ -170,32 +194,58 @@ wait_for() {  # wait_for <component> <seconds> <command...>: until the command s
 }
 
 cmd_up() {
-  cmd_build
+  if ((REAL_NODE)); then cmd_build --no-kwok; else cmd_build; fi
   command -v openssl >/dev/null || { log "openssl is required"; exit 1; }
   mkdir -p "$STATE"
   gen_certs
   write_kubeconfig
   local pki=$STATE/pki
-  start etcd "$BIN/etcd" --name k8s-up --data-dir "$STATE/etcd" \
+  # With a real node the control plane runs inside the node's network namespace (scripts/k8s-node.sh).
+  local ns=() apiserver_net=(--bind-address 127.0.0.1 --advertise-address 127.0.0.1 --endpoint-reconciler-type none)
+  if ((REAL_NODE)); then
+    NETNS=$(netns_of_state)
+    node_netns_up
+    api_relay_up
+    ns=(nsenter "--net=/run/netns/$NETNS")
+    # Pods reach it through the `kubernetes` Service (the helm test Pod reads the RayJob); logs and exec go
+    # to the kubelet's InternalIP.
+    apiserver_net=(--bind-address 0.0.0.0 --advertise-address "$NODE_IP" --kubelet-preferred-address-types InternalIP)
+  fi
+  start etcd "${ns[@]}" "$BIN/etcd" --name k8s-up --data-dir "$STATE/etcd" \
     --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
     --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
     --initial-cluster "k8s-up=http://127.0.0.1:$ETCD_PEER" --listen-metrics-urls "" --log-level warn
-  wait_for etcd 60 curl -sf "http://127.0.0.1:$ETCD_PORT/health"
-  start kube-apiserver "$BIN/kube-apiserver" \
-    --etcd-servers "http://127.0.0.1:$ETCD_PORT" --bind-address 127.0.0.1 --advertise-address 127.0.0.1 \
+  wait_for etcd 60 "${ns[@]}" curl -sf "http://127.0.0.1:$ETCD_PORT/health"
+  start kube-apiserver "${ns[@]}" "$BIN/kube-apiserver" \
+    --etcd-servers "http://127.0.0.1:$ETCD_PORT" "${apiserver_net[@]}" \
     --secure-port "$PORT" --tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
     --client-ca-file "$pki/ca.crt" --token-auth-file "$pki/tokens.csv" \
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --service-account-issuer https://kubernetes.default.svc --service-cluster-ip-range 10.96.0.0/16 \
-    --authorization-mode Node,RBAC --allow-privileged=true --endpoint-reconciler-type none
+    --authorization-mode Node,RBAC --allow-privileged=true
   wait_for kube-apiserver 120 api -f "https://127.0.0.1:$PORT/readyz"
-  start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$STATE/kubeconfig" \
+  start kube-controller-manager "${ns[@]}" "$BIN/kube-controller-manager" --kubeconfig "$STATE/kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$KCM_PORT" --leader-elect=false \
     --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
     --cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
     --use-service-account-credentials=false --controllers '*'
-  start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$STATE/kubeconfig" \
+  start kube-scheduler "${ns[@]}" "$BIN/kube-scheduler" --kubeconfig "$STATE/kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$SCHED_PORT" --leader-elect=false
+  ((REAL_NODE)) || start_kwok
+  install_crds
+  local operator_net=()
+  # Out of cluster, the operator reaches the Ray dashboard of a real head through the API server's proxy.
+  ((REAL_NODE)) && operator_net=(--use-kubernetes-proxy)
+  KUBECONFIG=$STATE/kubeconfig start ray-operator "$BIN/ray-operator" \
+    --metrics-addr "127.0.0.1:$OP_METRICS" --health-probe-bind-address "127.0.0.1:$OP_PROBE" \
+    --enable-leader-election=false "${operator_net[@]}"
+  wait_for ray-operator 60 curl -sf "http://127.0.0.1:$OP_PROBE/readyz"
+  ((REAL_NODE)) && cmd_node_up
+  echo "state: $STATE"
+  echo "export KUBECONFIG=$STATE/kubeconfig"
+}
+
+start_kwok() {
   # kwok's binary has no built-in stages: take kwok's own "fast" node/pod stages (and node heartbeat) from
   # its module (kustomize/stage/): nodes turn Ready, Pods Running+Ready, Job Pods Succeeded.
   local kwokdir; kwokdir=$(cd "$tools/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
@@ -208,6 +258,9 @@ cmd_up() {
   start kwok "$BIN/kwok" --config "$stages" --kubeconfig "$STATE/kubeconfig" --server-address "127.0.0.1:$KWOK_PORT" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
     --cidr 10.244.0.1/16 --node-ip 127.0.0.1
+}
+
+install_crds() {
   local crds; crds=$(crd_dir)
   log "installing KubeRay CRDs from $crds"
   for f in "$crds"/ray.io_*.yaml; do
@@ -217,17 +270,11 @@ cmd_up() {
     case $code in 201|409) ;; *) log "CRD $f: HTTP $code"; exit 1;; esac
   done
   wait_for kube-apiserver 60 api -f "https://127.0.0.1:$PORT/apis/ray.io/v1/rayjobs"
-  KUBECONFIG=$STATE/kubeconfig start ray-operator "$BIN/ray-operator" \
-    --metrics-addr "127.0.0.1:$OP_METRICS" --health-probe-bind-address "127.0.0.1:$OP_PROBE" \
-    --enable-leader-election=false
-  wait_for ray-operator 60 curl -sf "http://127.0.0.1:$OP_PROBE/readyz"
-  echo "state: $STATE"
-  echo "export KUBECONFIG=$STATE/kubeconfig"
 }
 
-cmd_down() {
-  local order=(ray-operator kwok kube-scheduler kube-controller-manager kube-apiserver etcd)
-  for name in "${order[@]}"; do
+stop() {  # stop <name>...: what `start` started, in that order
+  local name
+  for name in "$@"; do
     local pf=$STATE/pids/$name.pid
     [[ -f $pf ]] || continue
     local pid; pid=$(cat "$pf")
@@ -241,10 +288,28 @@ cmd_down() {
   done
 }
 
+cmd_down() {
+  # The port `up` served on (the API server is drained through it), whatever this call's flags default to.
+  [[ -f $STATE/kubeconfig ]] && PORT=$(sed -n 's|^ *server: https://127.0.0.1:\([0-9]*\)$|\1|p' "$STATE/kubeconfig")
+  # The controllers that would recreate Pods go first; a real node is drained while the API server still runs.
+  stop ray-operator kwok kube-scheduler kube-controller-manager
+  if [[ -f $STATE/netns ]]; then
+    NETNS=$(cat "$STATE/netns")
+    drain_node
+    stop kube-proxy kubelet coredns containerd
+  fi
+  stop kube-apiserver etcd api-relay-host api-relay-node
+  [[ -n ${NETNS:-} ]] && node_cleanup
+  return 0
+}
+
+source "$repo_root/scripts/k8s-node.sh"
+
 case ${1:-} in
   build) cmd_build ;;
   up) cmd_up ;;
   down) cmd_down ;;
+  import) shift; import_images "$@" ;;
   env) echo "export KUBECONFIG=$STATE/kubeconfig" ;;
-  *) echo "usage: $0 build|up|down|env" >&2; exit 2 ;;
+  *) echo "usage: $0 build|up|down|import|env [--real-node]" >&2; exit 2 ;;
 esac

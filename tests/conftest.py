@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 sys.path.insert(0, str(REPO))
 
 
-LAST_MODULES = ("test_k8s_live.py",)
+LAST_MODULES = ("test_k8s_live.py", "test_k8s_pods.py")
 """Run after every other test: their control plane is built from source in the background by scripts/test.sh
 (about 40 minutes of a cold 2-core machine's spare CPU), so the rest of the suite runs meanwhile instead of
 waiting for it."""

@@ -1,0 +1,314 @@
+# The real node of `scripts/k8s-up.sh up --real-node` (sourced by it; uses its start, wait_for, log, api):
+# containerd + runc, the CNI bridge, kubelet, kube-proxy and CoreDNS, in a network namespace of their own.
+#
+# The host's network namespace is left as it is: no link, address, route or iptables rule is added there. The
+# whole control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) runs inside the node's
+# namespace too, so the API server reaches the kubelet (logs, exec) and the Pods (its proxy) directly, and the Pods
+# reach the API server through the `kubernetes` Service. One relay crosses over: socat listens on the host's
+# 127.0.0.1:$PORT and hands each connection through a Unix socket in the state dir to a socat inside the namespace,
+# which connects to the API server there. helm, kubectl, the tests and the KubeRay operator (out of cluster, with
+# `--use-kubernetes-proxy` to reach the Ray dashboard through the API server) all use that relay.
+#
+# Inside the namespace: a veth pair (this kernel has no `dummy` links) gives the node its address $NODE_IP; the CNI
+# bridge `cni0` holds the Pods ($POD_CIDR, host-local IPAM); CoreDNS listens on $NODE_IP:53. The daemons are started
+# with `nsenter --net=` (not `ip netns exec`, which remounts /sys and hides the cgroup v1 hierarchies); they share
+# the host's mount namespace, so `down` unmounts what they leave under the state dir and removes the node's cgroups.
+#
+# What this machine needed (cgroup v1 hybrid, no CAP_SYS_RESOURCE): kubelet `failCgroupV1: false` and
+# `cgroupDriver: cgroupfs`; containerd `restrict_oom_score_adj`; runc (crun refuses the hybrid hierarchy);
+# kube-proxy `masqueradeAll` (no br_netfilter: without SNAT a Pod's reply to a Service client on the same bridge
+# would skip the conntrack that undoes the DNAT).
+
+NODE_NAME=k8s-up-node
+NODE_IP=10.200.0.1
+POD_CIDR=10.244.0.0/24
+CLUSTER_CIDR=10.244.0.0/16
+SERVICE_CIDR=10.96.0.0/16
+PAUSE_IMAGE=registry.k8s.io/pause:3.10.2
+
+# Debian's containerd, runc, CNI plugins and socat (installed when missing: CI's fresh machine has none of them).
+node_packages() {
+  local missing=() tool
+  for tool in containerd runc ctr socat; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [[ -x /usr/lib/cni/bridge ]] || missing+=(cni)
+  ((${#missing[@]})) || return 0
+  log "installing containerd, runc, containernetworking-plugins and socat (missing: ${missing[*]})"
+  local packages=(containerd runc containernetworking-plugins socat)
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >&2 ||
+    { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >&2; }
+}
+
+netns_of_state() { echo "k8s-up-$(echo "$STATE" | sha256sum | cut -c1-8)"; }  # one namespace per state dir
+
+# A command in the node's namespace (`start` is given nsenter itself, so that its pid file names the daemon).
+in_node() { nsenter --net="/run/netns/$NETNS" "$@"; }
+
+ctr_node() { ctr --address "$STATE/containerd/containerd.sock" --namespace k8s.io "$@"; }
+
+node_netns_up() {
+  # containerd's shims and ctr keep their sockets and fifos in /run/containerd (fixed paths): removed when empty.
+  rmdir /run/containerd/s /run/containerd/fifo /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd \
+    2>/dev/null || true
+  if [[ -e /run/netns/$NETNS ]]; then return; fi
+  ip netns add "$NETNS"
+  echo "$NETNS" > "$STATE/netns"
+  ip -n "$NETNS" link set lo up
+  ip -n "$NETNS" link add node0 type veth peer name node1
+  ip -n "$NETNS" addr add "$NODE_IP/24" dev node0
+  ip -n "$NETNS" link set node0 up
+  ip -n "$NETNS" link set node1 up
+  # kubelet and kube-proxy look for a default route to pick the node's address and interface.
+  ip -n "$NETNS" route add default via "${NODE_IP%.*}.254" dev node0 onlink
+  in_node sysctl -qw net.ipv4.ip_forward=1 net.ipv4.conf.all.route_localnet=1
+  log "network namespace $NETNS: node address $NODE_IP"
+}
+
+# The API server's relay from the host's loopback into the namespace (see the top of this file).
+api_relay_up() {
+  start api-relay-node nsenter "--net=/run/netns/$NETNS" socat "UNIX-LISTEN:$STATE/api.sock,fork,unlink-early" "TCP:127.0.0.1:$PORT"
+  start api-relay-host socat "TCP-LISTEN:$PORT,bind=127.0.0.1,reuseaddr,fork" "UNIX-CONNECT:$STATE/api.sock"
+}
+
+# pause_archive: the sandbox image, built from the pause.c of the Kubernetes module (statically linked, as
+# Kubernetes' own build/pause does) into an OCI archive in the cache; rebuilt when the source changes.
+pause_archive() {
+  local src out=$CACHE/images/pause.oci.tar
+  src=$(cd "$tools/kubernetes" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c
+  local stamp; stamp=$(sha256sum "$src" | cut -c1-16)
+  if [[ -f $out && -f $out.stamp && $(cat "$out.stamp") == "$stamp" ]]; then echo "$out"; return; fi
+  local tmp; tmp=$(mktemp -d)
+  mkdir -p "$tmp/root" "$tmp/oci/blobs/sha256" "$CACHE/images"
+  gcc -Os -Wall -Werror -static -DVERSION="v${PAUSE_IMAGE##*:}-k8s-up" -o "$tmp/root/pause" "$src"
+  tar -C "$tmp/root" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$tmp/layer.tar" pause
+  oci_archive "$tmp/oci" "$tmp/layer.tar" '{"Entrypoint":["/pause"],"User":"65535:65535"}' "$PAUSE_IMAGE" "$out"
+  echo "$stamp" > "$out.stamp"
+  rm -rf "$tmp"
+  log "built the pause image $PAUSE_IMAGE into $out"
+  echo "$out"
+}
+
+# oci_archive <dir> <layer tar> <config json> <image name> <out>: a one-layer OCI image archive that
+# `ctr images import` names <image name>.
+oci_archive() {
+  local dir=$1 layer=$2 config=$3 name=$4 out=$5
+  blob() {  # blob <file>: into blobs/, prints "<digest> <size>"
+    local d; d=$(sha256sum "$1" | cut -d' ' -f1)
+    cp "$1" "$dir/blobs/sha256/$d"; echo "sha256:$d $(stat -c %s "$1")"
+  }
+  local l c m
+  read -r -a l <<< "$(blob "$layer")"
+  printf '{"architecture":"amd64","os":"linux","config":%s,"rootfs":{"type":"layers","diff_ids":["%s"]}}' \
+    "$config" "${l[0]}" > "$dir/config.json"
+  read -r -a c <<< "$(blob "$dir/config.json")"
+  printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"%s","size":%s},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"%s","size":%s}]}' \
+    "${c[0]}" "${c[1]}" "${l[0]}" "${l[1]}" > "$dir/manifest.json"
+  read -r -a m <<< "$(blob "$dir/manifest.json")"
+  printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"%s","size":%s,"annotations":{"io.containerd.image.name":"%s","org.opencontainers.image.ref.name":"%s"}}]}' \
+    "${m[0]}" "${m[1]}" "$name" "${name##*:}" > "$dir/index.json"
+  echo '{"imageLayoutVersion":"1.0.0"}' > "$dir/oci-layout"
+  rm "$dir/config.json" "$dir/manifest.json"
+  tar -C "$dir" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$out" oci-layout index.json blobs
+}
+
+# import_images <archive>...: OCI or docker archives into the node's containerd (the CRI's namespace), where the
+# kubelet finds them; a Pod's image must be here (the node cannot pull), with imagePullPolicy IfNotPresent.
+import_images() {
+  local archive
+  for archive in "$@"; do
+    [[ -f $archive ]] || { log "no image archive $archive"; exit 1; }
+    local t0=$SECONDS
+    ctr_node images import --all-platforms "$archive" >&2
+    log "imported $archive in $((SECONDS - t0))s"
+  done
+}
+
+# containerd's root (images, unpacked snapshots) is in the cache, so that the test image is imported once per cache
+# rather than per state dir (several GB unpacked); its state (sockets, mounts of running containers) is per state dir.
+containerd_config() {
+  local d=$STATE/containerd
+  mkdir -p "$d" "$STATE/cni/net.d"
+  cat > "$d/config.toml" <<EOF
+version = 2
+root = "$CACHE/containerd"
+state = "$d/state"
+[grpc]
+  address = "$d/containerd.sock"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "$d/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$STATE/cni/net.d"
+EOF
+  cat > "$STATE/cni/net.d/10-bridge.conflist" <<EOF
+{"cniVersion": "1.0.0", "name": "k8s-up", "plugins": [
+  {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": true, "hairpinMode": true,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}],
+            "dataDir": "$STATE/cni/ipam"}},
+  {"type": "portmap", "capabilities": {"portMappings": true}},
+  {"type": "loopback"}]}
+EOF
+}
+
+kubelet_config() {
+  cat > "$STATE/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: /$NODE_NAME
+containerRuntimeEndpoint: unix://$STATE/containerd/containerd.sock
+podLogsDir: $STATE/pod-logs
+# Only the API server reaches the kubelet's port (it is inside the node's namespace), and it has no client
+# certificate here: anonymous, allowed.
+authentication: {anonymous: {enabled: true}, webhook: {enabled: false}}
+authorization: {mode: AlwaysAllow}
+clusterDomain: cluster.local
+clusterDNS: [$NODE_IP]
+resolvConf: $STATE/resolv.conf
+failSwapOn: false
+# No CFS quota for CPU limits: on a 2-core node the pods' limits are fractions of a core (the chart sets limits =
+# requests), and Ray's head, throttled to 0.4 of a core, timed out starting its raylet. Requests still divide the
+# node (CPU shares, and the scheduler's bookkeeping).
+cpuCFSQuota: false
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+# The host's disk is shared: evict for real shortage only, and keep the test image (never garbage-collected).
+evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%}
+imageGCHighThresholdPercent: 100
+serializeImagePulls: false
+EOF
+  : > "$STATE/resolv.conf"  # no upstream resolver: only cluster names resolve (CoreDNS answers them)
+}
+
+kube_proxy_config() {
+  cat > "$STATE/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: $STATE/kubeconfig}
+hostnameOverride: $NODE_NAME
+mode: iptables
+clusterCIDR: $CLUSTER_CIDR
+iptables: {masqueradeAll: true}
+# conntrack's limits are the host's (a global sysctl): left as they are.
+conntrack: {maxPerCore: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+metricsBindAddress: 127.0.0.1:10249
+healthzBindAddress: 127.0.0.1:10256
+EOF
+}
+
+coredns_config() {
+  cat > "$STATE/Corefile" <<EOF
+cluster.local:53 in-addr.arpa:53 {
+  errors
+  health 127.0.0.1:8080
+  ready 127.0.0.1:8181
+  kubernetes cluster.local in-addr.arpa {
+    kubeconfig $STATE/kubeconfig
+    pods insecure
+  }
+  cache 30
+}
+EOF
+}
+
+node_cgroup_dirs() {  # the node's cgroup root in every hierarchy (kubelet requires it to exist)
+  local h
+  for h in /sys/fs/cgroup/*/; do
+    [[ -e $h/cgroup.procs ]] && echo "${h%/}/$NODE_NAME"
+  done
+}
+
+cmd_node_up() {
+  # The kubelet links each container's log into /var/log/containers (a fixed path): those pointing here go.
+  local link
+  for link in /var/log/containers/*.log; do
+    [[ -L $link && $(readlink "$link") == "$STATE"/* ]] && rm -f "$link"
+  done
+  rmdir /var/log/containers 2>/dev/null || true
+  local d
+  for d in $(node_cgroup_dirs); do mkdir -p "$d"; done
+  containerd_config
+  start containerd nsenter "--net=/run/netns/$NETNS" containerd --config "$STATE/containerd/config.toml"
+  wait_for containerd 60 ctr_node version
+  import_images "$(pause_archive)"
+  coredns_config
+  start coredns nsenter "--net=/run/netns/$NETNS" "$BIN/coredns" -conf "$STATE/Corefile" -dns.port 53
+  kubelet_config
+  start kubelet nsenter "--net=/run/netns/$NETNS" "$BIN/kubelet" --config "$STATE/kubelet.yaml" --kubeconfig "$STATE/kubeconfig" \
+    --root-dir "$STATE/kubelet" --cert-dir "$STATE/kubelet-pki" --hostname-override "$NODE_NAME" --node-ip "$NODE_IP"
+  kube_proxy_config
+  start kube-proxy nsenter "--net=/run/netns/$NETNS" "$BIN/kube-proxy" --config "$STATE/kube-proxy.yaml"
+  wait_for kubelet 120 node_ready
+  wait_for coredns 30 in_node curl -sf http://127.0.0.1:8181/ready
+  wait_for kube-proxy 60 in_node curl -sf http://127.0.0.1:10256/healthz
+  log "node $NODE_NAME Ready"
+}
+
+node_ready() {
+  api -f "https://127.0.0.1:$PORT/api/v1/nodes/$NODE_NAME" |
+    python3 -c 'import json,sys; s=json.load(sys.stdin)["status"]; sys.exit(not any(c["type"]=="Ready" and c["status"]=="True" for c in s.get("conditions",[])))'
+}
+
+# Every Pod deleted through the API (the kubelet stops its containers and tears its sandbox's network down), with
+# the controllers that would recreate them already stopped.
+drain_node() {
+  local pods
+  api -f "https://127.0.0.1:$PORT/readyz" >/dev/null 2>&1 || { log "no API server to drain the node through"; return 0; }
+  pods=$(api -f "https://127.0.0.1:$PORT/api/v1/pods" 2>/dev/null |
+    python3 -c 'import json,sys; print("\n".join(p["metadata"]["namespace"]+"/"+p["metadata"]["name"] for p in json.load(sys.stdin)["items"]))') || return 0
+  local p
+  for p in $pods; do
+    api -o /dev/null -X DELETE -H 'Content-Type: application/json' --data '{"gracePeriodSeconds":1}' \
+      "https://127.0.0.1:$PORT/api/v1/namespaces/${p%/*}/pods/${p#*/}"
+  done
+  for ((i = 0; i < 90; i++)); do
+    [[ $(api "https://127.0.0.1:$PORT/api/v1/pods" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["items"]))') == 0 ]] && break
+    sleep 1
+  done
+  # The kubelet removes a stopped sandbox's containers later (garbage collection): do it now.
+  local ids; ids=$(ctr_node containers ls -q 2>/dev/null) || return 0
+  local id
+  for id in $ids; do
+    ctr_node tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true
+    ctr_node tasks delete -f "$id" >/dev/null 2>&1 || true
+    ctr_node containers delete "$id" >/dev/null 2>&1 || true
+  done
+}
+
+# What the node's daemons leave outside their processes: runc shims (reparented to init), mounts under the state
+# dir (overlay root filesystems, Pod volumes, sandbox shm), Pod network namespaces, cgroups, the node's namespace.
+node_cleanup() {
+  local pid
+  for pid in $(grep -l -s -- "$STATE/containerd/containerd.sock" /proc/[0-9]*/cmdline | cut -d/ -f3); do
+    kill -9 "$pid" 2>/dev/null && log "killed a leftover containerd shim (pid $pid)"
+  done
+  local mnt
+  while read -r mnt; do
+    umount "$mnt" 2>/dev/null || umount -l "$mnt"
+  done < <(awk -v s="$STATE/" 'index($2, s) == 1 {print $2}' /proc/mounts | sort -r)
+  # The kubelet links each container's log into /var/log/containers (a fixed path): those pointing here go.
+  local link
+  for link in /var/log/containers/*.log; do
+    [[ -L $link && $(readlink "$link") == "$STATE"/* ]] && rm -f "$link"
+  done
+  rmdir /var/log/containers 2>/dev/null || true
+  local d
+  for d in $(node_cgroup_dirs); do
+    [[ -d $d ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null
+    [[ -d $d ]] && log "cgroup $d left (a process is still in it)"
+  done
+  # containerd's shims and ctr keep their sockets and fifos in /run/containerd (fixed paths): removed when empty.
+  rmdir /run/containerd/s /run/containerd/fifo /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd \
+    2>/dev/null || true
+  if [[ -e /run/netns/$NETNS ]]; then ip netns delete "$NETNS" && log "deleted network namespace $NETNS"; fi
+  rmdir /run/netns 2>/dev/null || true  # `ip netns add` made it; kept while it holds another namespace
+  rm -f "$STATE/netns"
+}
