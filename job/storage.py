@@ -112,19 +112,15 @@ def write_atomic(uri: str, data: bytes | str) -> None:
             f.write(data)
         return
     path = local_path(uri)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
+        tmp = _written_beside(path, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:  # a full disk's ENOSPC from write() names no file
+            raise
+    except OSError as e:
+        if e.filename is None:  # a full disk's ENOSPC from write() names no file
             e.filename = path
         raise
 
@@ -143,6 +139,19 @@ def create_exclusive(uri: str, data: bytes | str) -> bool:
             return False
         return True
     path = local_path(uri)
+    tmp = _written_beside(path, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    return True
+
+
+def _written_beside(path: str, data: bytes) -> str:
+    """A temporary file in `path`'s directory (made if missing) holding `data` on disk; the caller moves or links
+    it into place. Removed again if writing fails."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
@@ -151,9 +160,7 @@ def create_exclusive(uri: str, data: bytes | str) -> bool:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
+    except BaseException:
         os.unlink(tmp)
-    return True
+        raise
+    return tmp

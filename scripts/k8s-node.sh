@@ -226,13 +226,18 @@ node_cgroup_dirs() {  # the node's cgroup root in every hierarchy (kubelet requi
   done
 }
 
-cmd_node_up() {
-  # The kubelet links each container's log into /var/log/containers (a fixed path): those pointing here go.
+# The kubelet links each container's log into /var/log/containers (a fixed path): those pointing into this node's
+# state go, and the folder with them if nothing else is there.
+forget_container_log_links() {
   local link
   for link in /var/log/containers/*.log; do
     [[ -L $link && $(readlink "$link") == "$STATE"/* ]] && rm -f "$link"
   done
   rmdir /var/log/containers 2>/dev/null || true
+}
+
+cmd_node_up() {
+  forget_container_log_links
   local d
   for d in $(node_cgroup_dirs); do mkdir -p "$d"; done
   containerd_config
@@ -294,12 +299,7 @@ node_cleanup() {
   while read -r mnt; do
     umount "$mnt" 2>/dev/null || umount -l "$mnt"
   done < <(awk -v s="$STATE/" 'index($2, s) == 1 {print $2}' /proc/mounts | sort -r)
-  # The kubelet links each container's log into /var/log/containers (a fixed path): those pointing here go.
-  local link
-  for link in /var/log/containers/*.log; do
-    [[ -L $link && $(readlink "$link") == "$STATE"/* ]] && rm -f "$link"
-  done
-  rmdir /var/log/containers 2>/dev/null || true
+  forget_container_log_links
   local d
   for d in $(node_cgroup_dirs); do
     [[ -d $d ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null
