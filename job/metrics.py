@@ -110,15 +110,14 @@ class TensorBoardLog:
                                       session_log=SessionLog(status=SessionLog.START)))
         self.writer.flush()
 
-    def log(self, record: dict) -> None:
+    def log(self, step: int, values: dict[str, float], at: float) -> None:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.summary import scalar
 
-        values = scalars(record)
         if not values:
             return
         for tag, value in values.items():
-            self.writer.write_event(Event(wall_time=record["time"], step=record["step"], summary=scalar(tag, value)))
+            self.writer.write_event(Event(wall_time=at, step=step, summary=scalar(tag, value)))
         self.writer.flush()
         if self.remote:
             for name in os.listdir(self.folder):
@@ -145,8 +144,8 @@ def is_terminal(stream) -> bool:
 
 class MetricsLogger:
     """Writes metric records as JSON lines to stdout and to `<run_dir>/metrics.jsonl` (rank 0 only), and their
-    numbers (`scalars`) to TensorBoard event files (`TensorBoardLog`) and to each of `sinks` (objects with
-    `log(step, scalars, time)` and `close()`: `tracking.MlflowMetrics`).
+    numbers (`scalars`) to its sinks, objects with `log(step, scalars, time)` and `close()`: TensorBoard event files
+    (`TensorBoardLog`, always) and the `sinks` given (`tracking.MlflowMetrics`).
 
     The file is rewritten whole (atomically) at each record, so the same code writes local paths and object
     storage (which cannot append); metric logs are small. Existing lines are kept, so a resumed run continues
@@ -162,8 +161,8 @@ class MetricsLogger:
         if keep_until_step is not None:
             self.lines = [line for line in self.lines if json.loads(line).get("step", 0) <= keep_until_step]
         # A fresh start (step 0) hides all an earlier attempt logged, a resume what it logged past its step.
-        self.tensorboard = TensorBoardLog(run_dir, purge_step=keep_until_step + 1 if keep_until_step else 0)
-        self.sinks = sinks or []
+        self.sinks = [TensorBoardLog(run_dir, purge_step=keep_until_step + 1 if keep_until_step else 0),
+                      *(sinks or [])]
         self.bar = None
         if progress == "ray":
             from ray.experimental.tqdm_ray import tqdm as ray_tqdm
@@ -180,10 +179,10 @@ class MetricsLogger:
         print(line, flush=True)
         self.lines.append(line)
         storage.write_atomic(self.path, "\n".join(self.lines) + "\n")
-        self.tensorboard.log(record)
         if "step" in record:
+            values = scalars(record)
             for sink in self.sinks:
-                sink.log(record["step"], scalars(record), record["time"])
+                sink.log(record["step"], values, record["time"])
         if self.bar is not None and record.get("kind") == "train":
             self.bar.n = record["step"]
             self.bar.set_description(f"train loss {record['loss']:.3f}")  # (tqdm_ray has no set_postfix)
@@ -191,7 +190,6 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.tensorboard.close()
         for sink in self.sinks:
             sink.close()
 
