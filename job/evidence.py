@@ -46,6 +46,11 @@ RUN_RECORD = "run.json"
 CONFIG_FILE = "config.yaml"
 ATTEMPTS_DIR = "attempts"
 """`attempts/<n>/`: the config and record of attempt n where it ran beside the run's record (`start_record`)."""
+
+
+def attempt_file(number: int, name: str) -> str:
+    """`name` (config.yaml, run.json) of attempt `number`, relative to the run directory (`ATTEMPTS_DIR`)."""
+    return storage.join(ATTEMPTS_DIR, str(number), name)
 METRICS_FILE = "metrics.jsonl"
 SCHEMA_VERSION = 1
 CLOSED_STATUSES = ("succeeded", "failed", "cancelled", "abandoned")
@@ -245,7 +250,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
         old = None
     record["previous_attempts"] = _previous_attempts(run_dir, old)
     if old is not None and _has_results(old):  # this attempt goes beside the run's record, listed in it
-        record["record_file"] = storage.join(ATTEMPTS_DIR, str(len(record["previous_attempts"]) + 1), RUN_RECORD)
+        record["record_file"] = attempt_file(len(record["previous_attempts"]) + 1, RUN_RECORD)
         old["later_attempts"] = [*(old.get("later_attempts") or []), _summary(record)]
         write_record(run_dir, old)
     write_record(run_dir, record)
@@ -346,7 +351,7 @@ def _settle(run_dir: str, record: dict) -> None:
         # The driver's config of this attempt; a Ray Train retry's record is numbered after it.
         for number in range(len(record["previous_attempts"]) + 1, 0, -1):
             with contextlib.suppress(FileNotFoundError):
-                config = storage.read_bytes(storage.join(run_dir, ATTEMPTS_DIR, str(number), CONFIG_FILE))
+                config = storage.read_bytes(storage.join(run_dir, attempt_file(number, CONFIG_FILE)))
                 storage.write_atomic(storage.join(run_dir, CONFIG_FILE), config)
                 break
         write_record(run_dir, {**record, "record_file": RUN_RECORD})
@@ -383,7 +388,7 @@ def config_file(run_dir: str) -> str:
         return CONFIG_FILE
     if not _has_results(old):
         return CONFIG_FILE
-    return storage.join(ATTEMPTS_DIR, str(len(_previous_attempts(run_dir, old)) + 1), CONFIG_FILE)
+    return attempt_file(len(_previous_attempts(run_dir, old)) + 1, CONFIG_FILE)
 
 
 def load_latest(run_dir: str) -> dict:
