@@ -553,9 +553,7 @@ class Checkpointer:
                 "world_size": dist.get_world_size(),
                 "data": {"micro_batch_index": step * accum, "micro_batch_size": mb, "grad_accum_steps": accum,
                          "samples_seen": step * accum * mb * dist.get_world_size()},
-                "lr_schedule": {"kind": "warmup_cosine", "step": step, "lr": cfg.train.lr,
-                                "warmup_steps": cfg.train.warmup_steps, "max_steps": cfg.train.max_steps,
-                                "min_lr_ratio": cfg.train.min_lr_ratio},
+                "lr_schedule": {"kind": "warmup_cosine", "step": step, **schedule_settings(cfg)},
                 "arch": self.arch,
                 "identity": self.identity,
                 "config": config_lib.to_dict(cfg),
@@ -936,15 +934,20 @@ def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_block
 
 
 
+def schedule_settings(cfg: config_lib.RunConfig) -> dict:
+    """The settings the learning rate at a step is computed from (`train.build_optimizer`'s schedule)."""
+    return {"lr": cfg.train.lr, "warmup_steps": cfg.train.warmup_steps, "max_steps": cfg.train.max_steps,
+            "min_lr_ratio": cfg.train.min_lr_ratio}
+
+
 def schedule_changes(state: dict, cfg: config_lib.RunConfig) -> dict[str, list]:
     """The learning-rate schedule's settings that differ from the checkpoint's, `{field: [saved, now]}`. The rate
     is a pure function of the step and these settings, so a change (e.g. a nearer `train.max_steps`, which
     recomputes the cosine) changes every update from the resumed step on: the losses after the first resumed step
     then differ from those an attempt with the saved settings logged."""
     saved = state.get("lr_schedule", {})
-    now = {"lr": cfg.train.lr, "warmup_steps": cfg.train.warmup_steps, "max_steps": cfg.train.max_steps,
-           "min_lr_ratio": cfg.train.min_lr_ratio}
-    return {field: [saved[field], value] for field, value in now.items() if saved.get(field, value) != value}
+    return {field: [saved[field], value] for field, value in schedule_settings(cfg).items()
+            if saved.get(field, value) != value}
 
 # --------------------------------------------------------------------------------------------------------------------
 # Fault injection and worker pids (tests and failure drills)
