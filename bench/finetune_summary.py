@@ -61,7 +61,9 @@ def main(log_path: str, run_dir: str) -> int:
     for r in rows:
         if r["kind"] == "checkpoint":
             staging = r.get("staging") or {"on": "host"}  # records from before staging on the device
-            buffers = f", host buffers {staging['allocate_s']:.1f} s" if "allocate_s" in staging else ""
+            buffers = "".join(f", {label} {staging[key]:.2f} s" for key, label in (
+                ("allocate_s", "host buffers allocated"), ("populate_s", "buffers faulted in beside the steps"),
+                ("waited_s", "waited for them"), ("lock_s", "page-locked")) if key in staging)
             print(f"checkpoint {r['step']}: training blocked {r['blocking_s']:.2f} s, write {r['write_s']:.1f} s "
                   f"(checksums {r.get('checksum_s', 0):.1f} s), staged on {staging['on']}{buffers}")
         if r["kind"] == "export":

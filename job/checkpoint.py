@@ -34,15 +34,18 @@ refuse a restart when a listed checkpoint is gone, and prune without knowing whi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import io
 import json
+import mmap
 import os
 import random
 import shutil
 import signal
 import threading
 import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -380,7 +383,7 @@ class Checkpointer:
     `save(step)` copies this rank's shards of the model and optimizer state where training cannot change them,
     which is all training waits for: on the GPU itself when it has room for the copy beside training's peak
     (`choose_staging`), the write then copying it to host memory beside the steps; else into host memory
-    (`HostStager`: pinned on GPU, allocated at the first save, reused).
+    (`HostStager`: page-locked on GPU, prepared beside the steps before the first save, reused).
     The write (DCP shards, over a gloo group of its own so that the training's collectives keep the default
     group to themselves) runs in a writer process per worker that reads the staged state from shared memory,
     or in a thread (`checkpoint.async_writer`, chosen in `prepare`); a background thread then writes this
@@ -396,8 +399,6 @@ class Checkpointer:
 
     def __init__(self, cfg: config_lib.RunConfig, run_dir: str, device: torch.device, identity: dict):
         """`identity` (`run_identity`) is kept in each checkpoint's train state, for the resume check."""
-        from concurrent.futures import ThreadPoolExecutor
-
         self.cfg, self.run_dir, self.device, self.identity = cfg, run_dir, device, identity
         self.group = dist.new_group(backend="gloo")
         self.stager: HostStager | None = None
@@ -455,10 +456,9 @@ class Checkpointer:
         if rank == 0:
             storage.remove(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint)
         dist.barrier()
+        self.prepare_staging(model, optimizer)
         model_sd, optim_sd = trained_state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        if self.staging is None:
-            self.staging = self._choose_staging(state)
         rng = _torch_bytes(_rng_state())
         self.arch = _arch(model.lm.config)
         staged = copied = None
@@ -476,22 +476,22 @@ class Checkpointer:
         if not self.cfg.checkpoint.async_save:
             self.finish()
 
-    def _choose_staging(self, state: dict) -> dict:
-        """Where this rank's saves copy the state first (`choose_staging`), decided at the first save, when
-        training's peak memory is known, and kept: later saves would count the copy itself in that peak. Pinned
-        host buffers, when the saves copy into them, are allocated here, with training waiting (~10 s for 19 GB;
-        page-locking beside running steps holds the interpreter lock and slows them); unpinned ones, for a copy on
-        the device, by the write that fills them."""
-        layout = tensor_layout(state)
-        staging = choose_staging(self.device, layout_bytes(layout))
-        on_device = staging["on"] == "device"
-        self.stager = HostStager(pin=self.device.type == "cuda" and not on_device,
+    def prepare_staging(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
+        """Decides where this rank's saves stage (`choose_staging`), once training's peak memory is known: the loop
+        calls it after the attempt's first step (a save before that decides itself). The decision is kept: later
+        saves would count the copy itself in that peak. The host buffers, which every save fills (host staging)
+        or the write does (device staging), are created now and faulted in by the write thread while the steps run
+        (`HostStager.reserve`), so that the first save does not wait for ~10 s of page faults."""
+        if self.staging is not None:
+            return
+        if not self.writer:
+            self.prepare(model)
+        model_sd, optim_sd = trained_state_dicts(model, optimizer)
+        layout = tensor_layout({"model": model_sd, "optim": optim_sd})
+        self.staging = choose_staging(self.device, layout_bytes(layout))
+        self.stager = HostStager(pin=self.device.type == "cuda" and self.staging["on"] == "host",
                                  shared=self.writer["writer"] == "process")
-        if not on_device:
-            start = time.perf_counter()
-            self.stager.allocate(layout)
-            staging["allocate_s"] = round(time.perf_counter() - start, 3)
-        return staging
+        self.stager.reserve(layout, self.executor)
 
     def wait_device_copy(self) -> None:
         """Waits until the save in flight no longer holds its copy on the device: before work that may need
@@ -564,7 +564,8 @@ class Checkpointer:
         dist.barrier()
         if dist.get_rank() == 0:
             _prune(self.run_dir, cfg.checkpoint.keep_last, keep_before=step)
-        return {"step": step, "uri": uri, "write_s": write_s, "checksum_s": checksum_s, "staging": self.staging}
+        return {"step": step, "uri": uri, "write_s": write_s, "checksum_s": checksum_s,
+                "staging": {**self.staging, **self.stager.timings}}
 
     def abandon(self) -> None:
         """On a failed attempt (any rank, not collective): waits for this rank's write in flight, if any, then
@@ -584,6 +585,8 @@ class Checkpointer:
         from torch.distributed.checkpoint import _async_process_executor as process_executor
 
         self.executor.shutdown(wait=True)
+        if self.stager is not None:
+            self.stager.release()
         # DCP keeps its writer process for the life of the interpreter; dropping it ends it (`__del__`), so a
         # later run in this interpreter starts a writer of its own, for its own process group.
         process_executor._CHECKPOINT_PROCESS = None
@@ -731,9 +734,9 @@ def choose_staging(device: torch.device, need: int) -> dict:
     """`{"on": "device" | "host", "bytes", ...}`: where a save first copies this rank's `need` bytes of state.
 
     On the device when it has room beside training's peak (`max_memory_reserved`), the other processes on it
-    and `STAGING_HEADROOM`: a copy there should take ~10 ms at the device's bandwidth (not yet measured) where
-    one into pinned host memory took 0.45 s, and the pinned buffers' allocation ~10 s per 19 GB (docs/performance.md,
-    "Where the time goes"); the write then copies it to host memory beside the steps, on a stream of its own. Else
+    and `STAGING_HEADROOM`: a copy of the 1.5B's 18.5 GB there held training 0.02-0.21 s on one H200, where one
+    into host memory takes 0.34 s once its buffers are page-locked (0.85 s, at the first save; docs/checkpoints.md
+    "Asynchronous saves"); the write then copies it to host memory beside the steps, on a stream of its own. Else
     in host memory, as on CPU."""
     if device.type != "cuda":
         return {"on": "host", "bytes": need, "reason": "not a GPU"}
@@ -748,22 +751,40 @@ class HostStager:
     """Copies a state dict's tensors (DTensors: their local shards) into host buffers kept from save to save, so
     training may go on changing the originals while the writer writes the copy.
 
-    Buffers are keyed by their place in the state dict, pinned when the saves copy into them from the GPU (fast,
-    asynchronous device-to-host copies, waited for once at the end) and, for the writer process, in shared
-    memory. Everything that is not a tensor is deep-copied.
+    Buffers are keyed by their place in the state dict: page-aligned mappings, in shared memory for the writer
+    process and anonymous otherwise. `reserve` creates them and has a thread fault their pages in beside the steps
+    (`MADV_POPULATE_WRITE`: one system call per buffer, without the interpreter lock or a CUDA call); where the
+    saves copy into them from the GPU, the first `stage` page-locks them in place (`cudaHostRegister`), so that
+    its copies are asynchronous and waited for once. On one H100 (bench/staging_alloc.py) faulting the 1.5B's
+    18.5 GB took 11.3 s, page-locking the faulted pages 0.85 s, allocating them pinned instead 8.2 s, and the copy
+    into them 0.34 s. Everything that is not a tensor is deep-copied.
     """
 
     def __init__(self, pin: bool, shared: bool = False):
         self.pin, self.shared = pin, shared
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.populated: Future | None = None  # the thread faulting the reserved buffers in: its seconds
+        self.locked: list[torch.Tensor] = []
+        self.timings: dict[str, float] = {}  # populate_s, waited_s, lock_s: how the first save's buffers came to be
 
-    def allocate(self, layout: dict[tuple, tuple[torch.Size, torch.dtype]]) -> None:
-        """Allocates the buffers of `layout` (`tensor_layout`) ahead of the first `stage`."""
-        self.buffers.update({path: self._allocate(shape, dtype) for path, (shape, dtype) in layout.items()})
+    def reserve(self, layout: dict[tuple, tuple[torch.Size, torch.dtype]], executor: Executor) -> None:
+        """Creates the buffers of `layout` (`tensor_layout`) and has `executor` fault their pages in."""
+        self.buffers.update({path: _host_buffer(shape, dtype, self.shared) for path, (shape, dtype) in layout.items()})
+        self.populated = executor.submit(_populate, list(self.buffers.values()))
 
     def stage(self, state_dict: dict, after: torch.cuda.Event | None = None) -> dict:
         """The staged copy of `state_dict`. `after`: the state is a save's copy on the GPU, made once that event
         has passed; it is copied on a stream of its own (in the write thread, beside the training's stream)."""
+        if self.populated is not None:
+            start = time.perf_counter()
+            self.timings["populate_s"] = round(self.populated.result(), 3)
+            self.timings["waited_s"] = round(time.perf_counter() - start, 3)
+            self.populated = None
+        if self.pin and not self.locked:
+            start = time.perf_counter()
+            for buffer in self.buffers.values():
+                self._lock(buffer)
+            self.timings["lock_s"] = round(time.perf_counter() - start, 3)
         if after is None:
             staged = _map_tensors(state_dict, self._buffer)
             if self.pin:
@@ -776,25 +797,57 @@ class HostStager:
         stream.synchronize()
         return staged
 
+    def release(self) -> None:
+        """Unlocks the page-locked buffers: their memory is unmapped when they are dropped, and CUDA would refuse to
+        lock a later mapping at the same address."""
+        for buffer in self.locked:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        self.locked.clear()
+
     def _buffer(self, path: tuple, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self.buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self.buffers[path] = self._allocate(tensor.shape, tensor.dtype)
+            buffer = self.buffers[path] = _host_buffer(tensor.shape, tensor.dtype, self.shared)
+            if self.pin:
+                self._lock(buffer)
         return buffer.copy_(tensor.detach(), non_blocking=self.pin)
 
-    def _allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        if not self.shared:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-        # Created in shared memory, not moved there: `share_memory_()` copies the tensor in while holding the
-        # interpreter lock (~10 ms per 55 MB projection).
-        nbytes = shape.numel() * dtype.itemsize
-        buffer = torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
-        buffer.zero_()  # faults the pages in here, so that cudaHostRegister only pins resident ones
-        if self.pin and nbytes:  # page-locks the shared pages in place (cudaHostRegisterPortable)
+    def _lock(self, buffer: torch.Tensor) -> None:
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes:  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
             error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 1))
             if error:
                 raise RuntimeError(f"checkpoint staging: cudaHostRegister of {nbytes} bytes failed (CUDA error {error})")
-        return buffer
+            self.locked.append(buffer)
+
+
+MADV_POPULATE_WRITE = 23
+"""madvise(2) advice (Linux 5.14+): fault the range's pages in, writable, as touching each one would."""
+
+
+def _host_buffer(shape: torch.Size, dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An empty tensor in a page-aligned mapping of its own: shared memory, which the writer process maps too
+    (created there, not moved: `share_memory_()` copies the tensor in while holding the interpreter lock, ~10 ms
+    per 55 MB projection), or anonymous memory. Its pages are faulted in by `_populate` or on first touch."""
+    nbytes = shape.numel() * dtype.itemsize
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype)
+    if shared:
+        return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+def _populate(buffers: list[torch.Tensor]) -> float:
+    """Faults the buffers' pages in; returns the seconds it took. Where the kernel lacks `MADV_POPULATE_WRITE`
+    the first save's copy faults them in instead."""
+    start = time.perf_counter()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for buffer in buffers:
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes and libc.madvise(buffer.data_ptr(), nbytes, MADV_POPULATE_WRITE) != 0:
+            break
+    return time.perf_counter() - start
 
 
 def _map_tensors(obj, fn: Callable[[tuple, torch.Tensor], torch.Tensor], path: tuple = ()):

@@ -344,6 +344,7 @@ def train(run: Run) -> None:
                 compile_cache.save(run.compile_cache)
             run.timeline.sync()
             first_step_s = time.perf_counter() - loop_start
+            run.checkpointer.prepare_staging(run.model, run.optimizer)  # training's peak is known now
 
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
             # The log step's all-reduce also carries each rank's preemption flag: the ranks agree to stop here.
