@@ -6,7 +6,9 @@ tensors, 18.5 GB), on the GPU. Each row runs in a fresh process (CUDA's host all
 
 - `fault`: buffers created in shared memory and their pages faulted in (`_new_shared` + `zero_`, as
   `job.checkpoint.HostStager` does), with 1 and with 8 torch threads;
-- `register`: page-locking those buffers with `cudaHostRegister`, whole tensors or in 64 MiB pieces;
+- `populate`: the same pages faulted in by `madvise(MADV_POPULATE_WRITE)` (what `HostStager.reserve` does);
+- `register`: page-locking faulted buffers with `cudaHostRegister`, whole tensors or in 64 MiB pieces (a copy into
+  a tensor spanning separately locked pieces fails: `cudaErrorInvalidValue`);
 - `pin_memory`: `torch.empty(pin_memory=True)` (cudaHostAlloc through the caching host allocator);
 - `copy`: the device-to-host copy of the state into pinned, into faulted pageable, into fresh pageable buffers;
 - `beside steps`: a training thread's speed (a launch-bound and a GPU-bound model) while another thread or process
@@ -25,8 +27,11 @@ import multiprocessing as mp
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the job package, also in the spawned rows
 
 HIDDEN, INTER, LAYERS, KV, VOCAB = 1536, 8960, 28, 256, 151936
 CHUNK = 64 << 20
@@ -55,10 +60,20 @@ def register(buffer: torch.Tensor, chunk: int | None) -> None:
         assert error == 0, f"cudaHostRegister: CUDA error {error}"
 
 
+def populate(buffers: list[torch.Tensor]) -> None:
+    from job.checkpoint import _populate
+
+    _populate(buffers)
+
+
 def prepare(shapes, how: str) -> list[torch.Tensor]:
-    """The host buffers, made as `how` says: fault | fault+register | fault+register-chunks | pin_memory."""
+    """The host buffers, made as `how` says: fault | populate | fault+register | fault+register-chunks | pin_memory."""
     if how == "pin_memory":
         return [torch.empty(s, pin_memory=True) for s in shapes]
+    if how == "populate":
+        buffers = [torch.empty(0).set_(torch.UntypedStorage._new_shared(torch.Size(s).numel() * 4), 0, s) for s in shapes]
+        populate(buffers)
+        return buffers
     buffers = [shared_buffer(s) for s in shapes]
     if how != "fault":
         for b in buffers:
@@ -107,8 +122,10 @@ def row(name: str, shapes, scale: float) -> dict:
     if name.startswith("fault-threads"):
         torch.set_num_threads(int(name.rsplit("-", 1)[1]))
         out["s"] = timed(lambda: prepare(shapes, "fault"))
-    elif name in ("register", "register-chunks"):
-        buffers = prepare(shapes, "fault")
+    elif name == "populate":
+        out["s"] = timed(lambda: prepare(shapes, "populate"))
+    elif name in ("register", "register-chunks", "register-after-populate"):
+        buffers = prepare(shapes, "populate" if name.endswith("populate") else "fault")
         out["s"] = timed(lambda: [register(b, CHUNK if name.endswith("chunks") else None) for b in buffers])
     elif name == "pin_memory":
         out["s"] = timed(lambda: prepare(shapes, "pin_memory"))
@@ -150,9 +167,8 @@ def row(name: str, shapes, scale: float) -> dict:
     return out
 
 
-ROWS = ["fault-threads-1", "fault-threads-8", "register", "register-chunks", "pin_memory", "copy-pinned",
-        "copy-chunk-registered", "copy-pageable", "copy-fresh", "beside-fault", "beside-fault+register",
-        "beside-fault+register-chunks", "beside-process"]
+ROWS = ["fault-threads-1", "fault-threads-8", "populate", "register", "register-after-populate", "pin_memory",
+        "copy-pinned", "copy-pageable", "copy-fresh", "beside-fault", "beside-populate", "beside-process"]
 
 
 def child(name: str, scale: float, queue) -> None:
