@@ -10,7 +10,8 @@
 #                                               only storage is overridden, plus the --set arguments (e.g. the drill
 #                                               --set debug.fail_at_step=180: the worker SIGKILLs itself, Ray restarts
 #                                               it, the run resumes from its last complete checkpoint).
-#                                               Env: NAME=gsm8k (the run's name), KEEP_RUNS=1 keeps the other runs
+#                                               Env: NAME=gsm8k (the run's name), RENDER=.devdata/gsm8k-lora-render.yaml
+#                                               another rendered profile (default .devdata/gsm8k-render.yaml), KEEP_RUNS=1 keeps the other runs
 #                                               and the runs' compile cache (/tmp/runs/.compile_cache), FRESH_LOCAL_CACHE=1
 #                                               empties the local compile caches first (a fresh pod's view).
 #                                               JOB_TREE=DIR runs the job package exported there from another
@@ -30,11 +31,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${OUT:-/tmp/finetune-out}
 mkdir -p "$out"
-# The run config as the kubelet mounts it: the ConfigMap's run.yaml in the carried .devdata/gsm8k-render.yaml.
+# The run config as the kubelet mounts it: the ConfigMap's run.yaml in the carried render ($RENDER).
 run_config() {
   python3 -c 'import sys, yaml
 run = [d["data"]["run.yaml"] for d in yaml.safe_load_all(sys.stdin) if d and d["kind"] == "ConfigMap" and "run.yaml" in d["data"]]
-open("/tmp/run.yaml", "w").write(run[0])' <.devdata/gsm8k-render.yaml
+open("/tmp/run.yaml", "w").write(run[0])' <"${RENDER:-.devdata/gsm8k-render.yaml}"
 }
 case "${1:-}" in
   receive)
