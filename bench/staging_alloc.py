@@ -7,6 +7,8 @@ tensors, 18.5 GB), on the GPU. Each row runs in a fresh process (CUDA's host all
 - `fault`: buffers created in shared memory and their pages faulted in (`_new_shared` + `zero_`, as
   `job.checkpoint.HostStager` does), with 1 and with 8 torch threads;
 - `populate`: the same pages faulted in by `madvise(MADV_POPULATE_WRITE)` (what `HostStager.reserve` does);
+- `fallocate`: the shared memory's pages allocated by `posix_fallocate` on its file (in the page cache, mapped by
+  nobody yet);
 - `register`: page-locking faulted buffers with `cudaHostRegister`, whole tensors or in 64 MiB pieces (a copy into
   a tensor spanning separately locked pieces fails: `cudaErrorInvalidValue`);
 - `pin_memory`: `torch.empty(pin_memory=True)` (cudaHostAlloc through the caching host allocator);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import multiprocessing as mp
 import sys
 import threading
@@ -70,6 +73,12 @@ def prepare(shapes, how: str) -> list[torch.Tensor]:
     """The host buffers, made as `how` says: fault | populate | fault+register | fault+register-chunks | pin_memory."""
     if how == "pin_memory":
         return [torch.empty(s, pin_memory=True) for s in shapes]
+    if how == "fallocate":
+        buffers = [torch.empty(0).set_(torch.UntypedStorage._new_shared(torch.Size(s).numel() * 4), 0, s) for s in shapes]
+        for b in buffers:
+            fd, size = b.untyped_storage()._share_fd_cpu_()
+            os.posix_fallocate(fd, 0, size)
+        return buffers
     if how == "populate":
         buffers = [torch.empty(0).set_(torch.UntypedStorage._new_shared(torch.Size(s).numel() * 4), 0, s) for s in shapes]
         populate(buffers)
@@ -122,10 +131,10 @@ def row(name: str, shapes, scale: float) -> dict:
     if name.startswith("fault-threads"):
         torch.set_num_threads(int(name.rsplit("-", 1)[1]))
         out["s"] = timed(lambda: prepare(shapes, "fault"))
-    elif name == "populate":
-        out["s"] = timed(lambda: prepare(shapes, "populate"))
-    elif name in ("register", "register-chunks", "register-after-populate"):
-        buffers = prepare(shapes, "populate" if name.endswith("populate") else "fault")
+    elif name in ("populate", "fallocate"):
+        out["s"] = timed(lambda: prepare(shapes, name))
+    elif name in ("register", "register-chunks", "register-after-populate", "register-after-fallocate"):
+        buffers = prepare(shapes, name.rsplit("-", 1)[1] if "after" in name else "fault")
         out["s"] = timed(lambda: [register(b, CHUNK if name.endswith("chunks") else None) for b in buffers])
     elif name == "pin_memory":
         out["s"] = timed(lambda: prepare(shapes, "pin_memory"))
@@ -168,7 +177,8 @@ def row(name: str, shapes, scale: float) -> dict:
 
 
 ROWS = ["fault-threads-1", "fault-threads-8", "populate", "register", "register-after-populate", "pin_memory",
-        "copy-pinned", "copy-pageable", "copy-fresh", "beside-fault", "beside-populate", "beside-process"]
+        "copy-pinned", "copy-pageable", "copy-fresh", "beside-fault", "beside-populate", "beside-process", "fallocate",
+        "register-after-fallocate", "beside-fallocate"]
 
 
 def child(name: str, scale: float, queue) -> None:

@@ -478,7 +478,9 @@ class Checkpointer:
 
     def prepare_staging(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         """Decides where this rank's saves stage (`choose_staging`), once training's peak memory is known: the loop
-        calls it after the attempt's first step (a save before that decides itself). The decision is kept: later
+        calls it after the attempt's second step, the first that holds the optimizer's state from start to end (a
+        save before that decides itself; after the first step alone the peak lacked AdamW's 12 GB of the 1.5B, and
+        staging on an H100's device then ran the held-out evaluation out of memory). The decision is kept: later
         saves would count the copy itself in that peak. The host buffers, which every save fills (host staging)
         or the write does (device staging), are created now and faulted in by the write thread while the steps run
         (`HostStager.reserve`), so that the first save does not wait for ~10 s of page faults."""

@@ -344,8 +344,9 @@ def train(run: Run) -> None:
                 compile_cache.save(run.compile_cache)
             run.timeline.sync()
             first_step_s = time.perf_counter() - loop_start
-            run.checkpointer.prepare_staging(run.model, run.optimizer)  # training's peak is known now
 
+        if step == run.start_step + 2:  # the first step with the optimizer's state held throughout: training's peak
+            run.checkpointer.prepare_staging(run.model, run.optimizer)
         if step % cfg.logging.every_steps == 0 or step == cfg.train.max_steps:
             # The log step's all-reduce also carries each rank's preemption flag: the ranks agree to stop here.
             flags = torch.tensor([float(run.checkpointer.write_done()), float(run.preempted())], device=device)
