@@ -59,7 +59,8 @@ BF16_REDUCE = {**CUDNN, "parallel.reduce_dtype": "bf16"}
 AUTOTUNE = {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
 LIGER = {"liger": True}  # TrainingArguments(use_liger_kernel=True): the strongest peer with one flag (issue 19)
 FP8 = {**CUDNN, "parallel.float8": "rowwise"}  # on top of best-cudnn, our current best bf16 settings
-LORA = {**CUDNN, "model.lora.rank": 16, "model.lora.alpha": 32, "checkpoint.every_steps": 6}  # a save mid-run
+LORA = {**CUDNN, "model.lora.rank": 16, "model.lora.alpha": 32, "checkpoint.every_steps": 6,  # a save mid-run,
+        "checkpoint.async_save": True}  # blocking only while staged
 HF_PEFT = {"lora-rank": 16, "fsdp": "off"}  # the Trainer with peft at the same rank, on one GPU as its users run it
 QWEN_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
            "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}
@@ -99,6 +100,12 @@ VARIANTS = {
     "best-b8-cudnn-lora": Variant("torchrun", 8, LORA),
     "lora-7b": Variant("torchrun", 1, {**LORA, "model.overrides": QWEN_7B}),
     "lora-7b-b2": Variant("torchrun", 2, {**LORA, "model.overrides": QWEN_7B}),
+    # The full fine-tune of the 7B shape on one H200 (122 GB of fp32 weights, gradients and AdamW state), both with
+    # every block's activations recomputed: torchtitan's `full` activation checkpointing and ours.
+    "best-7b-ac": Variant("torchrun", 1, {**CUDNN, "model.overrides": QWEN_7B, "parallel.activation_checkpointing": True}),
+    "best-7b-ac-b2": Variant("torchrun", 2, {**CUDNN, "model.overrides": QWEN_7B, "parallel.activation_checkpointing": True}),
+    "titan-7b-ac": Variant("titan", 1, {"overrides": json.dumps(QWEN_7B, separators=(",", ":")), "ac": "full"}),
+    "titan-7b-ac-b2": Variant("titan", 2, {"overrides": json.dumps(QWEN_7B, separators=(",", ":")), "ac": "full"}),
 }
 # Issue 31's levers, each alone and together, on one GPU: the code before them (`main`), with only the one-GPU
 # path without FSDP2 (`unwrapped`), and the current code with FSDP2 forced (only the clipping in the fused step).
@@ -148,7 +155,10 @@ def run_config(args, name: str, variant: Variant, nproc: int, storage: str) -> d
                   "seq_len": args.seq_len, "lr": 1e-4, "warmup_steps": 1},
         "scaling": {"num_workers": nproc, "use_gpu": not args.cpu},
         "logging": {"every_steps": args.log_every},
-        "checkpoint": {"export": False},  # throughput only: no export and acceptance check after the steps
+        # Throughput only: no export and acceptance check after the steps, and synchronous saves, whose host buffers
+        # are not prepared beside the measured steps (`Checkpointer.prepare_staging`); `--stop-after-steps` runs
+        # end before their one save.
+        "checkpoint": {"export": False, "async_save": False},
         "debug": {"profile_step": args.profile_step},
     }
 

@@ -88,6 +88,10 @@ def parse_args(argv=None):
     p = peer_parser(__doc__, steps=14, warmup=4, warmup_help="steps left out of the median (after the first)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torchtitan's compile.enable: torch.compile of each TransformerBlock and of the loss")
+    p.add_argument("--overrides", type=json.loads, default={},
+                   help="JSON object of dimensions over the preset's (e.g. Qwen2.5-7B's, as benchmark.py's QWEN_7B)")
+    p.add_argument("--ac", choices=["none", "selective", "full"], default="none",
+                   help="torchtitan's activation_checkpoint.mode")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--meta", action="store_true",
                       help="no training: parse the config, build the model on the meta device, print its counts")
@@ -108,11 +112,15 @@ def parse_args(argv=None):
     return a
 
 
-def model_args(preset: str, seq_len: int):
-    """torchtitan's Qwen3ModelArgs with our preset's dimensions (a Qwen2 without the q/k/v biases)."""
+def dims(args) -> dict:
+    """The model's dimensions: the preset's, with `--overrides` over them."""
+    return {**PRESETS[args.preset], **args.overrides}
+
+
+def model_args(c: dict, seq_len: int):
+    """torchtitan's Qwen3ModelArgs with dimensions `c` (`dims`; a Qwen2 without the q/k/v biases)."""
     from torchtitan.models.qwen3 import Qwen3ModelArgs
 
-    c = PRESETS[preset]
     return Qwen3ModelArgs(
         dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
         n_kv_heads=c["num_key_value_heads"], head_dim=c["hidden_size"] // c["num_attention_heads"],
@@ -122,13 +130,13 @@ def model_args(preset: str, seq_len: int):
     )
 
 
-def qwen2_params(preset: str) -> int:
-    """Parameters of our Qwen2 model of `preset`, built on the meta device as the HF baseline builds it (a tied head
+def qwen2_params(c: dict) -> int:
+    """Parameters of our Qwen2 model of dimensions `c`, built on the meta device as the HF baseline builds it (a tied head
     counted once)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**PRESETS[preset]))
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**c))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -174,7 +182,7 @@ def register_spec(args, recorder: StepRecorder) -> None:
                 yield {"input": x[:-1]}, x[1:]
 
     def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kwargs):
-        data = RandomTokens(job_config.training.seq_len, PRESETS[args.preset]["vocab_size"],
+        data = RandomTokens(job_config.training.seq_len, dims(args)["vocab_size"],
                             args.seed * 1_000_003 + dp_rank)
         return ParallelAwareDataloader(data, dp_rank=dp_rank, dp_world_size=dp_world_size,
                                        batch_size=job_config.training.local_batch_size)
@@ -185,7 +193,7 @@ def register_spec(args, recorder: StepRecorder) -> None:
         return processor
 
     spec = dataclasses.replace(
-        qwen3.get_train_spec(), model_args={args.preset: model_args(args.preset, args.seq_len)},
+        qwen3.get_train_spec(), model_args={args.preset: model_args(dims(args), args.seq_len)},
         build_dataloader_fn=build_dataloader, build_tokenizer_fn=None, build_validator_fn=None,
         build_metrics_processor_fn=build_metrics)
     register_train_spec(SPEC, spec)
@@ -199,7 +207,7 @@ def titan_argv(args, dump_folder: str, world: int) -> list[str]:
         f"--training.local_batch_size={args.batch}", f"--training.seq_len={args.seq_len}",
         f"--training.global_batch_size={args.batch * args.grad_accum * world}", f"--training.steps={args.steps}",
         f"--optimizer.lr={args.lr}", "--optimizer.implementation=fused", "--lr_scheduler.warmup_steps=1",
-        "--activation_checkpoint.mode=none", "--metrics.log_freq=1", "--metrics.disable_color_printing",
+        f"--activation_checkpoint.mode={args.ac}", "--metrics.log_freq=1", "--metrics.disable_color_printing",
         f"--debug.seed={args.seed}",
     ]
     if args.compile:
@@ -240,13 +248,13 @@ def meta_check(args) -> dict:
 
     register_spec(args, StepRecorder())
     config = ConfigManager().parse_args(titan_argv(args, tempfile.mkdtemp(prefix="titan_baseline_"), 1))
-    margs = model_args(args.preset, args.seq_len)
+    margs = model_args(dims(args), args.seq_len)
     with torch.device("meta"):
         model = Qwen3Model(margs)
     n = sum(p.numel() for p in model.parameters())  # a tied weight once
     titan_n, titan_flops = margs.get_nparams_and_flops(model, args.seq_len)
-    c = PRESETS[args.preset]
-    ours = qwen2_params(args.preset)
+    c = dims(args)
+    ours = qwen2_params(c)
     return {
         "check": "meta", "preset": args.preset, "params": n, "qwen2_params": ours,
         "params_rel_diff": round((n - ours) / ours, 6),
@@ -290,13 +298,13 @@ def main(argv=None) -> dict:
 
     model = trainer.model_parts[0]
     with torch.device("meta"):  # the model as built, before torchtitan parallelizes it: a tied weight once
-        n_params = sum(p.numel() for p in type(model)(model_args(a.preset, a.seq_len)).parameters())
+        n_params = sum(p.numel() for p in type(model)(model_args(dims(a), a.seq_len)).parameters())
     trained = sum(p.numel() for p in model.parameters())  # global sizes (DTensor numel)
     steps = [m for _, m in recorder.steps]
     timed = steps[a.warmup + 1:]
     step = statistics.median(m["time_metrics/end_to_end(s)"] for m in timed)
     tokens = a.batch * a.grad_accum * a.seq_len
-    c = PRESETS[a.preset]
+    c = dims(a)
     cuda = torch.cuda.is_available()
     peak = peak_flops(torch.device("cuda", int(os.environ["LOCAL_RANK"])), None) if cuda else None
     flops = flops_per_token(n_params, c["num_hidden_layers"], c["hidden_size"], a.seq_len)
@@ -316,7 +324,7 @@ def main(argv=None) -> dict:
         "steps": len(steps),
         "warmup": a.warmup,
         "compile": a.compile,
-        "grad_ckpt": False,
+        "grad_ckpt": a.ac != "none",
         "dtype": ("fsdp2 bf16 params, fp32 reduce" if fsdp else "bf16-autocast") if cuda else "fp32",
         "step_time_s": round(step, 5),
         "tokens_per_s_per_device": round(tokens / step, 1),

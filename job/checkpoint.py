@@ -456,7 +456,7 @@ class Checkpointer:
         if rank == 0:
             storage.remove(uri)  # leftovers of an interrupted save of this step (never a complete checkpoint)
         dist.barrier()
-        self.prepare_staging(model, optimizer)
+        self._decide_staging(model, optimizer)
         model_sd, optim_sd = trained_state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         rng = _torch_bytes(_rng_state())
@@ -484,6 +484,10 @@ class Checkpointer:
         saves would count the copy itself in that peak. The host buffers, which every save fills (host staging)
         or the write does (device staging), are created now and faulted in by the write thread while the steps run
         (`HostStager.reserve`), so that the first save does not wait for ~10 s of page faults."""
+        if self.cfg.checkpoint.async_save:  # a synchronous save waits for its write anyway: it prepares them then
+            self._decide_staging(model, optimizer)
+
+    def _decide_staging(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
         if self.staging is not None:
             return
         if not self.writer:
