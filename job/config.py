@@ -362,7 +362,7 @@ class MlflowConfig:
     """MLflow tracking server (`http://mlflow.mlflow:5000`), or None for no MLflow. Set, the run logs its config
     as params, every metric of metrics.jsonl at its step, and at the end tags (status, failure class, image digest,
     chart version) and artifacts (run.json, report.md) to one MLflow run named after the run; a resumed attempt
-    continues it (`job/tracking.py`). Needs the `mlflow-skinny` package: the chart adds it to `runtimeEnv.pip`."""
+    continues it (`job/records/tracking.py`). Needs the `mlflow-skinny` package: the chart adds it to `runtimeEnv.pip`."""
     experiment: str = "ray-finetune"
     """MLflow experiment the run is logged under (created when missing)."""
 

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_run_config
-from job import checkpoint as checkpoint_lib
+from job.worker import checkpoint as checkpoint_lib
 from job import config as config_lib
-from job import evidence, launch
+from job.records import evidence
+from job.driver import launch
 
 MAX_STEPS = 20
 EVERY = 4
@@ -312,7 +313,7 @@ def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
 def test_acceptance_process_started_ahead_checks_what_it_is_sent(reference, tmp_path):
     """The acceptance process the run starts before writing its export: it checks the directory it is sent (and
     says where its time went), reports a failure with its stderr, and ends quietly when no check is asked of it."""
-    from job import export as X
+    from job.worker import export as X
 
     copy = tmp_path / "export"
     shutil.copytree(f"{reference}/export", copy)
@@ -343,8 +344,8 @@ def _sharded_model(cfg: config_lib.RunConfig, fsdp: str = "always"):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from job.model import CausalLMWithLoss, build_causal_lm, parallelize
-    from job.train import build_optimizer
+    from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
+    from job.worker.train import build_optimizer
 
     lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
     model = parallelize(CausalLMWithLoss(lm), dataclasses.replace(cfg.parallel, fsdp=fsdp),

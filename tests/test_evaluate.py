@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from job import evaluate as E
+from job.worker import evaluate as E
 from tests.conftest import tiny_run_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ class FixedAnswers:
         self.calls = []
 
     def __call__(self, lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
-        from job.generate import Generated
+        from job.worker.generate import Generated
 
         assert (attention_mask[:, -1] == 1).all()  # left padded
         assert eos_token_id is not None  # stops at EOS
@@ -104,7 +104,7 @@ class FixedAnswers:
 def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch):
     from types import SimpleNamespace
 
-    from job import data as D
+    from job.worker import data as D
 
     tok = D.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: #### 7"] * 5, 300)
     items = [{"question": f"q{i}", "prompt": f"Question: {i}\nAnswer: ", "reference": f"#### {7 if i % 2 else 8}"}
@@ -131,7 +131,7 @@ def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch)
 @needs_gsm8k
 def test_two_worker_gsm8k_run_lowers_held_out_loss_and_scores_the_task(tmp_path, ray_cluster):
     from job import config as config_lib
-    from job import launch
+    from job.driver import launch
 
     raw = tiny_run_config(
         tmp_path,
@@ -190,7 +190,7 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
     from torch.distributed.device_mesh import init_device_mesh
 
     from job import config as config_lib
-    from job.model import CausalLMWithLoss, build_causal_lm, parallelize
+    from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # traced, not built
@@ -247,9 +247,9 @@ def _baseline_run(tmp_path, records):
     Qwen2 (`model`, not sharded), BPE-tokenized GSM8K-style items, on CPU."""
     from types import SimpleNamespace
 
-    from job import data as D
-    from job.metrics import Timeline
-    from job.model import CausalLMWithLoss
+    from job.worker import data as D
+    from job.worker.metrics import Timeline
+    from job.worker.model import CausalLMWithLoss
     from tests.test_generate import tiny_lm
 
     tok = D.train_bpe_tokenizer([f"Question: what is {i} + 4?\nAnswer: #### {i + 4}" for i in range(20)], 64)
@@ -271,7 +271,7 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
     beside), `baseline_at_step_0` decodes at once, inside the phase: the same record either way."""
     import threading
 
-    from job import train
+    from job.worker import train
 
     records = []
     run = _baseline_run(tmp_path, records)
@@ -312,7 +312,7 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
 
 
 def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_headroom(tmp_path, monkeypatch):
-    from job import train
+    from job.worker import train
 
     run = _baseline_run(tmp_path, [])
     lm, cuda = run.model.lm, torch.device("cuda", 0)  # only a name here: the memory figures are the patched ones
@@ -343,7 +343,7 @@ def _baseline_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from job import train
+    from job.worker import train
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -3,7 +3,7 @@
 Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS path or an `s3://` URI):
 
     config.yaml                      resolved config that trained the checkpoints (evidence.config_file)
-    lease.json, heartbeat.json       the driver writing the run, while it runs (job/lease.py)
+    lease.json, heartbeat.json       the driver writing the run, while it runs (job/records/lease.py)
     attempts/<n>/                    config.yaml and run.json of attempts that ran beside a finished record
     metrics.jsonl                    rank 0's metric records (lines past a resumed step are dropped)
     checkpoint_00000040/             one checkpoint per saved step, written in place by every rank:
@@ -21,7 +21,7 @@ Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS 
     faults/                          markers of injected faults (debug.fail_at_step), so each fires once
     workers/rank<r>.pid              worker process ids (local storage only; for failure drills)
 
-Beside the runs, `<storage_path>/.compile_cache/<key>.bin` keeps what `torch.compile` built (job/compile_cache.py).
+Beside the runs, `<storage_path>/.compile_cache/<key>.bin` keeps what `torch.compile` built (job/worker/compile_cache.py).
 
 Both launchers run the same code (`Checkpointer`): every rank writes its DCP shards straight to the checkpoint
 directory and lists their checksums, then rank 0 writes `train_state.json` and `_COMPLETE` and prunes old
@@ -49,8 +49,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import config as config_lib
-from . import storage
+from .. import config as config_lib
+from .. import storage
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -646,7 +646,7 @@ def _trained_only(model: CausalLMWithLoss):
 def _without_frozen(model: CausalLMWithLoss, model_sd: dict) -> dict:
     """`model_sd` without what is frozen: DCP's `ignore_frozen_params` keeps a tied weight under its second name
     (the frozen embedding as `lm_head.weight`)."""
-    from .model import plain_name
+    from .model import plain_name  # the driver imports this module, the model only a worker
 
     if all(p.requires_grad for p in model.parameters()):
         return model_sd
@@ -664,7 +664,7 @@ def first_save_layout(model: CausalLMWithLoss) -> dict[tuple, tuple[torch.Size, 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    from .model import plain_name
+    from .model import plain_name  # the driver imports this module, the model only a worker
 
     layout = tensor_layout({"model": _without_frozen(model, get_model_state_dict(model, options=_trained_only(model)))})
     for name, param in model.named_parameters():

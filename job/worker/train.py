@@ -1,6 +1,6 @@
 """The training loop, run once per worker: the same function under Ray Train and under torchrun.
 
-`train_loop` (given the driver's `LoopConfig` and the `launch.Launcher` that runs it) sets up the device, the
+`train_loop` (given the driver's `LoopConfig` and the `contract.Launcher` that runs it) sets up the device, the
 process group and the run record, then `fit` reads as three steps:
 `build` (tokenizer, data, model, FSDP2, optimizer, resume) → `train` (the loop: step, log, evaluate, checkpoint)
 → `finish` (last checkpoint, final task evaluation and sample, export). Every phase is timed (`metrics.Timeline`),
@@ -24,23 +24,22 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import checkpoint as checkpoint_lib
 from . import compile_cache
-from . import config as config_lib
+from .contract import Launcher, LoopConfig
+from .. import config as config_lib
 from . import data as data_lib
-from . import evidence, failures, nccl
+from ..records import evidence, failures, nccl
 from . import export as export_lib
-from . import preflight as preflight_lib
+from ..records import preflight as preflight_lib
 from .evaluate import (TaskShare, evaluate, generate_sample, heldout_batches, kv_cache_bytes, rank_items,
                        synthetic_heldout, task_decode, task_evaluate, task_items, task_record)
 from .metrics import MetricsLogger, StepProfiler, Timeline, flops_per_token, format_timeline, peak_flops
 from .model import (CausalLMWithLoss, add_adapters, adapter_state_dict, build_causal_lm, device_mesh, gathered_copy,
                     load_tokenizer, parallelize, weights_fingerprint)
-from .tracking import MlflowMetrics
+from ..records.tracking import MlflowMetrics
 from .watchdog import HangError, LossSpikes, Watchdog
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from .launch import Launcher, LoopConfig
 
 # Without `preflight.enabled`, every run still takes one small all-reduce: it creates NCCL's communicators, so
 # the transport NCCL chose is in its log, and gathers each worker's environment for the run record.
@@ -48,7 +47,7 @@ RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmu
 
 
 def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
-    """Entry point of every worker: `loop_config` is what the driver prepared; `launcher` (`launch.Launcher`) is
+    """Entry point of every worker: `loop_config` is what the driver prepared; `launcher` (`contract.Launcher`) is
     what this loop asks of the launcher that runs it.
 
     Around the training itself (`fit`), rank 0 keeps the run record `run.json`: opened after the preflight,
@@ -133,7 +132,7 @@ class Run:
     when this attempt loaded it from there)."""
     latest_checkpoint: str | None = None
     preempted: Callable[[], bool] = lambda: False
-    """Whether this worker was asked to stop for a preemption (`launch.Launcher.preempted`)."""
+    """Whether this worker was asked to stop for a preemption (`contract.Launcher.preempted`)."""
     baseline: PendingTaskEval | None = None
     """The task baseline's decoding, begun in `build` beside the data's tokenizing (`start_baseline`); None when
     it was not (no room on the device beside it, or none due): then it is decoded at step 0."""

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from . import packages, storage
-from .config import DataConfig, SourceConfig, TrainConfig, is_hub_source
+from .. import packages, storage
+from ..config import DataConfig, SourceConfig, TrainConfig, is_hub_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
