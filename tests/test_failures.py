@@ -577,7 +577,7 @@ def test_a_hung_rank_fails_the_run_as_a_hang_naming_it_from_every_ranks_stacks(t
         message
     stacks = tmp_path / "runs" / "hang" / "hang"
     assert f"after step 5; every rank's Python stacks: {stacks}/attempt-1-rank*.txt; hung: rank 1; rank 1 after " \
-           "step 5, outside any collective at checkpoint.py:" in err["message"], err["message"]
+           "step 5, outside any collective at faults.py:" in err["message"], err["message"]
     assert err["message"].endswith(" in maybe_fail"), err["message"]
     sleeper, waiter = ((stacks / f"attempt-1-rank{r}.txt").read_text() for r in (1, 0))
     assert "in maybe_fail\n    time.sleep(60)" in sleeper  # rank 1 sleeps before the step's first collective

@@ -17,7 +17,7 @@ from job import config as config_lib
 from job.records import evidence, report
 from job.config import ConfigError, LoraConfig
 from job.worker.model import CausalLMWithLoss, add_adapters, build_causal_lm, device_mesh, is_adapter, parallelize
-from job.worker.train import build_optimizer
+from job.worker.optimizer import build_optimizer
 from test_checkpoint import MAX_STEPS, _assert_same_training, _config, _final_weights, _records, _run
 
 LORA = {"rank": 4, "alpha": 8, "merged_export": True}
@@ -39,7 +39,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path, sing
         add_adapters(lm, LoraConfig(rank=4, targets=["q_proj", "qkv"]))
     assert len(add_adapters(lm, cfg.model.lora)) == 2 * 7  # 2 layers x (4 attention + 3 MLP projections)
     model = parallelize(CausalLMWithLoss(lm), cfg.parallel, device_mesh("cpu", 1, 0), bf16=False)
-    optimizer, _ = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train)
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert {n for n, p in model.named_parameters() if id(p) in optimized} == {
         n for n, _ in model.named_parameters() if is_adapter(n)}
