@@ -20,6 +20,9 @@ the first collective (NCCL reads its settings once, when it creates its first co
 
 Nothing here needs a GPU, Kubernetes or network access (`s3://` run directories aside): a
 value that cannot be known is `"unknown"` plus a `reason` instead of an exception.
+
+One module past ~500 lines on purpose: every write of `run.json` goes through it, so which attempt's record a
+run keeps (a finished one is not replaced by a later failure) is decided in one place.
 """
 
 from __future__ import annotations
