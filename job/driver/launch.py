@@ -20,17 +20,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..worker import checkpoint as checkpoint_lib
 from .. import config as config_lib
-from ..worker import data as data_lib
-from ..records import evidence, failures
-from ..worker import export as export_lib
 from .. import storage
-from ..records import tracking
-from . import watch
+from ..records import evidence, failures, tracking
+from ..worker import checkpoint as checkpoint_lib
+from ..worker import data as data_lib
+from ..worker import export as export_lib
 from ..worker.architecture import config_fields
 from ..worker.contract import Launcher, LoopConfig
 from ..worker.metrics import is_terminal, progress_style
+from . import watch
 
 # The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
 # driver only launches it, and those imports took ~5 of its ~10 s on 2 cores.

@@ -37,11 +37,11 @@ import socket
 import sys
 from typing import Any, Iterable, Mapping
 
-from . import failures
 from .. import storage
-from .nccl import describe_transport
+from . import failures
 from . import lease as lease_lib
 from .environment import UNKNOWN, job_sha256, job_version, worker_environment
+from .nccl import describe_transport
 
 RUN_RECORD = "run.json"
 CONFIG_FILE = "config.yaml"

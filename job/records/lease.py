@@ -28,8 +28,8 @@ import os
 import socket
 import uuid
 
-from . import failures
 from .. import storage
+from . import failures
 
 LEASE_FILE = "lease.json"
 

@@ -22,8 +22,8 @@ import os
 import sys
 from typing import Any
 
-from . import evidence, failures, runs
 from .. import storage
+from . import evidence, failures, runs
 
 # Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",

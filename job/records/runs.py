@@ -38,9 +38,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
-from . import failures
 from .. import packages, storage
 from ..config import json_schema
+from . import failures
 from .evidence import CLOSED_STATUSES, METRICS_FILE, RUN_RECORD, check_types, later_attempts_line, schema_path
 
 STATUSES = ("running", "stale", "starting", *CLOSED_STATUSES, "unreadable")

@@ -27,8 +27,8 @@ import tempfile
 import time
 
 from .. import config as config_lib
-from . import evidence, report
 from .. import packages, storage
+from . import evidence, report
 
 RUN_FILE = "mlflow.json"
 """In the run directory: `{"tracking_uri", "experiment_id", "run_id"}` of the run's MLflow run."""

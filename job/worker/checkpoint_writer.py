@@ -14,7 +14,7 @@ import random
 import shutil
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,9 +25,7 @@ from .. import storage
 from .checkpoint import (COMPLETE, STATE, CheckpointError, failure_causes, prune, step_dir, train_state, trained_only,
                          trained_state_dicts, without_frozen, write_checksums)
 from .checkpoint import architecture as _arch  # the name `Checkpointer.save` reads it by
-
-if TYPE_CHECKING:
-    from .model import CausalLMWithLoss
+from .model import CausalLMWithLoss, plain_name
 
 
 class Checkpointer:
@@ -288,8 +286,6 @@ def first_save_layout(model: CausalLMWithLoss) -> dict[tuple, tuple[torch.Size, 
     the prediction equal to what is staged after a step."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
-
-    from .model import plain_name  # the driver imports this module, the model only a worker
 
     layout = tensor_layout({"model": without_frozen(model, get_model_state_dict(model, options=trained_only(model)))})
     for name, param in model.named_parameters():

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .. import PACKAGE_DIR
 from .. import config as config_lib
-from . import data as data_lib
+from .. import PACKAGE_DIR
 from .. import storage
+from . import data as data_lib
 from .data import vocabulary_sha256
 from .generate import greedy_generate
 

@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .architecture import hf_config
 from .. import packages, storage
 from ..config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
+from .architecture import hf_config
 from .data import IGNORE_INDEX
 from .loss import chunked_cross_entropy
 
