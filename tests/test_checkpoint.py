@@ -617,7 +617,7 @@ def test_a_save_staged_on_the_device_holds_its_steps_state_while_training_goes_o
     run_dir = str(tmp_path / "runs" / "dev")
     model, optimizer = _sharded_model(cfg, fsdp)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    monkeypatch.setattr(checkpoint_lib, "choose_staging", lambda device, need: {"on": "device", "bytes": need})
+    monkeypatch.setattr(checkpoint_writer, "choose_staging", lambda device, need: {"on": "device", "bytes": need})
     stepped = threading.Event()
     real_stage = checkpoint_writer.HostStager.stage
 
