@@ -7,11 +7,10 @@
     python -m job accept EXPORT_DIR                                re-check an exported model (fresh process)
     python -m job schema                                           JSON Schema of the run config
 
-`run` parses and checks the config, the optional packages it needs, the storage, the model's settings and (under Ray) whether the cluster can
-place the workers: every problem found is printed, one line each naming the field, and exits 2 before any
-worker starts. It then prints the resolved config, prepares the run directory, trains under Ray Train (or
-under torchrun when started by it), and says where the run is; a failed run exits 1 with the workers' error.
-A run that is already complete is not started again: it says so and what to do instead.
+`run` is `driver/run.py`'s: every problem the checks before any worker starts find (config, optional packages,
+storage, the model's settings, whether the cluster can place the workers) is printed, one line each naming the
+field, with exit status 2; a failed run exits 1 with the workers' error, and a complete run is not started again.
+The other commands import no training code, so they start in well under a second.
 """
 
 from __future__ import annotations
