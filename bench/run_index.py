@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the local S3 server of the tests
 
-from job import runs  # noqa: E402
+from job.records import runs  # noqa: E402
 from servers import moto_s3  # noqa: E402
 
 TEMPLATE = REPO / "bench" / "runs" / "2026-12-01-run14-gsm8k-pretrained-run.json"

@@ -9,7 +9,7 @@
 `values/gsm8k.yaml` as rendered (bench/device-finetune.sh writes it to /tmp/run.yaml). Decode paths
 (`DECODE_PATHS`): `stock` is Transformers' `generate` on its SDPA (before 5.24 it repeats every key/value head
 per query head when a mask is given), `generate` the same with `generate.sdpa_grouped_decode`, `eager` and
-`graph` job/generate.py's loop without and with CUDA graphs, `graph-all-rows` the latter with every row
+`graph` job/worker/generate.py's loop without and with CUDA graphs, `graph-all-rows` the latter with every row
 decoded to the end (before rows that ended left the steps). Columns: seconds, exact match, items, decode
 steps, and how many generations differ from the first path's. `--profile-steps K` then profiles K decode steps of the full batch
 and prints the kernels that take the time, and the prefill and per-step time.
@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job import config as config_lib  # noqa: E402
-from job import data as data_lib  # noqa: E402
-from job import evaluate, generate  # noqa: E402
-from job.model import load_tokenizer  # noqa: E402
+from job.worker import data as data_lib  # noqa: E402
+from job.worker import evaluate, generate  # noqa: E402
+from job.worker.model import load_tokenizer  # noqa: E402
 
 
 def synchronized_seconds(fn, device) -> tuple[float, object]:
@@ -47,7 +47,7 @@ def synchronized_seconds(fn, device) -> tuple[float, object]:
 
 
 def transformers_generate(grouped: bool):
-    """Transformers' `generate` with a static cache, as task evaluation ran before job/generate.py's loop."""
+    """Transformers' `generate` with a static cache, as task evaluation ran before job/worker/generate.py's loop."""
     def run(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
         if grouped:
             generate.use_grouped_decode(lm)
@@ -59,8 +59,8 @@ def transformers_generate(grouped: bool):
 DECODE_PATHS = {
     "stock": transformers_generate(grouped=False),  # Transformers' SDPA (before 5.24: key/value heads repeated)
     "generate": transformers_generate(grouped=True),  # with `sdpa_grouped_decode` (runs 15-18)
-    "eager": lambda *args: generate.greedy_generate(*args, cuda_graph=False),  # job/generate.py, no CUDA graph
-    "graph": generate.greedy_generate,  # job/generate.py as task evaluation runs it
+    "eager": lambda *args: generate.greedy_generate(*args, cuda_graph=False),  # job/worker/generate.py, no CUDA graph
+    "graph": generate.greedy_generate,  # job/worker/generate.py as task evaluation runs it
     "graph-all-rows": lambda *args: generate.greedy_generate(*args, drop_ended_below=0),  # every row to the end
 }
 

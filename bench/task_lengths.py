@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job import config as config_lib  # noqa: E402
-from job import data as data_lib  # noqa: E402
-from job import evaluate  # noqa: E402
-from job.model import load_tokenizer  # noqa: E402
+from job.worker import data as data_lib  # noqa: E402
+from job.worker import evaluate  # noqa: E402
+from job.worker.model import load_tokenizer  # noqa: E402
 
 
 def main() -> int:

@@ -45,7 +45,7 @@ Timing: torchtitan's own per-step metrics (`metrics.log_freq=1`): each step ends
 `time_metrics/end_to_end(s)` is the wall time of one whole step (data, forward, loss, backward, clipping,
 optimizer, logging), as the HF baseline's synchronized step ends. `step_time_s` is the median over steps
 warmup+2 .. steps (the HF baseline's intervals: the first step also holds the build and compilation);
-`tokens_per_s_per_device = batch × grad_accum × seq_len / step_time_s`; `mfu` by job.metrics' formula and peak
+`tokens_per_s_per_device = batch × grad_accum × seq_len / step_time_s`; `mfu` by job.worker.metrics' formula and peak
 table (6·N + 12·L·H·T with the tied head counted once), like the HF baseline; torchtitan's own figures are beside
 them (`titan_tps`, `titan_mfu`: its FLOPs leave the tied head's matmul out, so its MFU reads lower). Peak memory:
 torchtitan resets CUDA's peak statistics at each log, so the peak is the largest of the per-step peaks, read just
@@ -76,9 +76,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from job.architecture import PRESETS  # noqa: E402
+from job.worker.architecture import PRESETS  # noqa: E402
 from bench.benchmark import peer_parser  # noqa: E402
-from job.metrics import flops_per_token, peak_flops  # noqa: E402
+from job.worker.metrics import flops_per_token, peak_flops  # noqa: E402
 
 TORCHTITAN_VERSION = "0.2.2"  # the version this script is written against (its Trainer's internals differ by version)
 SPEC = "qwen3_random"

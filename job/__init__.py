@@ -1,15 +1,16 @@
 """FSDP2 fine-tuning of Hugging Face causal LMs under Ray Train, shipped by a Helm chart.
 
-Modules, one concern each (flat, because the chart ships them in a ConfigMap):
-`config` (run config), `data` (sources, formats, packing, batches), `model` (build + FSDP2 `parallelize`),
-`loss` (chunked cross-entropy), `compile_cache` (compiled code kept on the runs' storage), `train` (the
-per-worker loop: build → train → finish), `evaluate` (held-out loss,
-generation, task evaluation), `checkpoint` (asynchronous save, resume), `export` (the checked Hugging Face export),
-`metrics` (MFU, metric log and TensorBoard files, time accounting and goodput, one-step profiler),
-`tracking` (MLflow), `nccl` (transport from NCCL's log),
-`environment` (worker inventory, image digest), `preflight` (bandwidth and transport checks),
-`packages` (optional packages: s3fs, datasets), `evidence` (run record, compare), `runs` (the run index),
-`report` (markdown and plots), `launch` (driver: Ray Train or torchrun, and the `Launcher` the loop calls), `__main__` (CLI).
+A tree whose folders say the architecture (docs/architecture.md): `worker/` (what runs in each training process:
+build, data, model, loss, the loop, evaluation, checkpoints, export, metrics), `records/` (what a run leaves and
+how it is read: the run record, failures, the run index, report, compare, environment, NCCL, preflight, MLflow),
+`driver/` (resolving the run, launching the workers, watching them), with `config`, `storage` and `packages`
+shared by all; `__main__` is the command line. Imports point one way: driver -> worker -> records -> shared.
 """
 
+import os
+
 __version__ = "0.2.0"
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+"""Where this package's files are (the chart mounts them at /opt/job/job): what the run record's job sha256 is
+taken over, and the directory above it is where a fresh interpreter imports it from."""

@@ -8,6 +8,9 @@ The same file drives every launcher: the local embedded run, torchrun, and the H
 * `--set train.max_steps=20` overrides go through the same checks (values are parsed as YAML scalars);
 * `json_schema()` derives a JSON Schema from the same dataclasses (field docstrings become descriptions),
   so the chart's `values.schema.json` validates `run:` with the rules Python applies.
+
+One module past ~500 lines on purpose: most of it is the fields' docstrings, which are the user documentation and
+the schema's descriptions, and the tree is read (and its errors ordered) in one order, top to bottom.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ class ConfigError(ValueError):
         self.messages = list(messages)
 
 
-def constrained(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **keywords) -> Any:
+def constrained(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+                note: str | None = None, **keywords) -> Any:
     """A dataclass field with JSON Schema keywords (`minimum`, `exclusiveMinimum`, `maxItems`, `items`, ...)
     that `json_schema()` adds to the field's schema, so the chart rejects at `helm install` what `validate`
-    rejects at start."""
-    return field(default=default, default_factory=default_factory, metadata={"json_schema": keywords})
+    rejects at start (`_outside_bounds`); `note` is said beside the bound when a value is outside it."""
+    return field(default=default, default_factory=default_factory, metadata={"json_schema": keywords, "note": note})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -51,7 +55,7 @@ LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 @dataclass
 class LoraConfig:
-    rank: Optional[int] = constrained(None, minimum=1)
+    rank: Optional[int] = constrained(None, minimum=1, note="null: full fine-tune")
     """LoRA rank r: train a low-rank update B·A (A: r x in, B: out x r) beside each `targets` layer, the model's
     own weights frozen; only the adapters and their optimizer state are trained and checkpointed, and the export
     is a PEFT adapter (docs/lora.md). null: full fine-tune of every weight."""
@@ -84,7 +88,7 @@ class ModelConfig:
     """Fields of the Hugging Face model config to override, e.g. `{num_hidden_layers: 4}`."""
     tokenizer: Optional[str] = None
     """Tokenizer directory or hub id; defaults to `path`. Not needed for synthetic data."""
-    train_tokenizer_vocab: Optional[int] = constrained(None, minimum=260)
+    train_tokenizer_vocab: Optional[int] = constrained(None, minimum=260, note="256 bytes + specials")
     """Train a byte-level BPE tokenizer of this vocabulary size on the training text instead of loading one
     (for random-init models that have no tokenizer); it is saved in the run directory."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
@@ -198,7 +202,7 @@ class TrainConfig:
     logits; 0 computes plain logits and cross-entropy."""
     seed: int = 0
     """Seed for model init, data order and synthetic tokens."""
-    hang_timeout_s: Optional[float] = constrained(None, minimum=0)
+    hang_timeout_s: Optional[float] = constrained(None, minimum=0, note="0: off; null: automatic")
     """Hang watchdog: with no training step finished for this long, every rank writes its Python stacks (all
     threads) to `<run>/hang/attempt-<n>-rank<r>.txt` and ends, and the run fails as `infrastructure`/`hang`, so
     `scaling.max_failures` (or the RayJob's backoff) restarts it from the last checkpoint. null: automatic, the
@@ -362,7 +366,7 @@ class MlflowConfig:
     """MLflow tracking server (`http://mlflow.mlflow:5000`), or None for no MLflow. Set, the run logs its config
     as params, every metric of metrics.jsonl at its step, and at the end tags (status, failure class, image digest,
     chart version) and artifacts (run.json, report.md) to one MLflow run named after the run; a resumed attempt
-    continues it (`job/tracking.py`). Needs the `mlflow-skinny` package: the chart adds it to `runtimeEnv.pip`."""
+    continues it (`job/records/tracking.py`). Needs the `mlflow-skinny` package: the chart adds it to `runtimeEnv.pip`."""
     experiment: str = "ray-finetune"
     """MLflow experiment the run is logged under (created when missing)."""
 
@@ -442,47 +446,11 @@ class RunConfig:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Checks across fields that types alone cannot express. Raises one `ConfigError` listing every problem,
+    """The bounds each field declares (`_outside_bounds`), and the checks across fields that types and bounds
+    cannot express. Raises one `ConfigError` listing every problem,
     each naming its field, in the order of the config tree (as `python -m job schema` and the resolved config
     list the fields; `load_dict` puts them in the file's order), so one edit can fix them all."""
-    errors: list[str] = []
-    positive = {
-        "train.max_steps": cfg.train.max_steps,
-        "train.micro_batch_size": cfg.train.micro_batch_size,
-        "train.grad_accum_steps": cfg.train.grad_accum_steps,
-        "train.seq_len": cfg.train.seq_len,
-        "train.lr": cfg.train.lr,
-        "train.loss_spike_intervals": cfg.train.loss_spike_intervals,
-        "scaling.num_workers": cfg.scaling.num_workers,
-        "scaling.cpus_per_worker": cfg.scaling.cpus_per_worker,
-        "checkpoint.keep_last": cfg.checkpoint.keep_last,
-        "logging.every_steps": cfg.logging.every_steps,
-        "preflight.iters": cfg.preflight.iters,
-        "eval.task_batch_size": cfg.eval.task_batch_size,
-        "eval.task_max_new_tokens": cfg.eval.task_max_new_tokens,
-        "eval.sample_tokens": cfg.eval.sample_tokens,
-    }
-    for path, value in positive.items():
-        if value <= 0:
-            errors.append(f"{path}: must be > 0, got {value}")
-    non_negative = {
-        "train.warmup_steps": cfg.train.warmup_steps,
-        "train.weight_decay": cfg.train.weight_decay,
-        "train.grad_clip": cfg.train.grad_clip,
-        "train.loss_chunk_size": cfg.train.loss_chunk_size,
-        "scaling.max_failures": cfg.scaling.max_failures,
-        "checkpoint.every_steps": cfg.checkpoint.every_steps,
-        "eval.every_steps": cfg.eval.every_steps,
-        "eval.max_batches": cfg.eval.max_batches,
-        "eval.task_every_steps": cfg.eval.task_every_steps,
-        "eval.task_max_examples": cfg.eval.task_max_examples,
-        "eval.task_log_examples": cfg.eval.task_log_examples,
-        "data.max_rows": cfg.data.max_rows,
-        "preflight.warmup": cfg.preflight.warmup,
-    }
-    for path, value in non_negative.items():
-        if value < 0:
-            errors.append(f"{path}: must be >= 0, got {value}")
+    errors = _outside_bounds(cfg)
     if not cfg.name:
         errors.append("name: required (the run name; the chart sets it from the release name)")
     elif not _RUN_NAME.fullmatch(cfg.name):
@@ -493,14 +461,8 @@ def validate(cfg: RunConfig) -> None:
         errors.append(
             f"train.warmup_steps: {cfg.train.warmup_steps} must be below train.max_steps ({cfg.train.max_steps})"
         )
-    if cfg.train.hang_timeout_s is not None and cfg.train.hang_timeout_s < 0:
-        errors.append(f"train.hang_timeout_s: must be >= 0 (0: off; null: automatic), got {cfg.train.hang_timeout_s}")
-    if cfg.train.loss_spike_factor != 0 and not cfg.train.loss_spike_factor > 1:
+    if 0 < cfg.train.loss_spike_factor <= 1:  # below 0: its declared bound
         errors.append(f"train.loss_spike_factor: must be 0 (off) or > 1, got {cfg.train.loss_spike_factor}")
-    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
-        errors.append(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
-    if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
-        errors.append(f"train.betas: expected two values in [0, 1), got {cfg.train.betas}")
     m = cfg.model
     if m.init == "pretrained" and m.path is None:
         errors.append("model.path: required with model.init: pretrained (or set model.init: random)")
@@ -512,18 +474,14 @@ def validate(cfg: RunConfig) -> None:
         errors.append(f"model.sdpa_backend: needs model.attn_implementation: sdpa, not {m.attn_implementation}")
     if m.train_tokenizer_vocab is not None and m.tokenizer is not None:
         errors.append("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
-    if m.train_tokenizer_vocab is not None and m.train_tokenizer_vocab < 260:
-        errors.append(f"model.train_tokenizer_vocab: must be >= 260 (256 bytes + specials), got {m.train_tokenizer_vocab}")
     _validate_data(cfg, errors)
     if cfg.data.format != "synthetic" and m.tokenizer is None and m.path is None and m.train_tokenizer_vocab is None:
         errors.append(
             "model.tokenizer: real data needs a tokenizer: set model.tokenizer, model.path "
             "or model.train_tokenizer_vocab"
         )
-    if not cfg.preflight.sizes_mib or min(cfg.preflight.sizes_mib) <= 0:
-        errors.append(f"preflight.sizes_mib: expected a non-empty list of sizes > 0, got {cfg.preflight.sizes_mib}")
     group = cfg.parallel.shard_group_size
-    if group < 0 or (group and cfg.scaling.num_workers % group):
+    if group > 0 and cfg.scaling.num_workers % group:
         errors.append(
             f"parallel.shard_group_size: {group} must be 0 or divide scaling.num_workers ({cfg.scaling.num_workers})"
         )
@@ -540,9 +498,7 @@ def validate(cfg: RunConfig) -> None:
     _validate_lora(cfg, errors)
     if not cfg.checkpoint.resume.strip():
         errors.append("checkpoint.resume: expected auto, never or a checkpoint directory/URI, got ''")
-    if cfg.checkpoint.export_tolerance <= 0:
-        errors.append(f"checkpoint.export_tolerance: must be > 0, got {cfg.checkpoint.export_tolerance}")
-    if cfg.debug.fail_at_step is not None and not 1 <= cfg.debug.fail_at_step <= cfg.train.max_steps:
+    if cfg.debug.fail_at_step is not None and cfg.debug.fail_at_step > cfg.train.max_steps:
         errors.append(
             f"debug.fail_at_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.fail_at_step}"
         )
@@ -555,11 +511,11 @@ def validate(cfg: RunConfig) -> None:
                             ("loss_spike", cfg.train.loss_spike_factor == 0, "train.loss_spike_factor")):
         if cfg.debug.fail_mode == mode and cfg.debug.fail_at_step is not None and off:
             errors.append(f"debug.fail_mode: {mode} needs its check on: {knob} is 0")
-    if cfg.debug.profile_step is not None and not 1 <= cfg.debug.profile_step <= cfg.train.max_steps:
+    if cfg.debug.profile_step is not None and cfg.debug.profile_step > cfg.train.max_steps:
         errors.append(
             f"debug.profile_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.profile_step}"
         )
-    if not 0 <= cfg.debug.fail_rank < cfg.scaling.num_workers:
+    if cfg.debug.fail_rank >= cfg.scaling.num_workers:
         errors.append(
             f"debug.fail_rank: must be within [0, scaling.num_workers={cfg.scaling.num_workers}), got {cfg.debug.fail_rank}"
         )
@@ -571,6 +527,43 @@ def validate(cfg: RunConfig) -> None:
                       "set it to at most train.max_steps, or 0 to save only at the end")
     if errors:
         raise ConfigError(*_in_tree_order(errors))
+
+
+def _outside_bounds(node: Any, prefix: str = "") -> list[str]:
+    """Every value of the config tree outside the bounds its field declares (`constrained`), one line each."""
+    problems = []
+    for f in dataclasses.fields(node):
+        value, path = getattr(node, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            problems += _outside_bounds(value, f"{path}.")
+        elif value is not None and f.metadata.get("json_schema"):
+            problems += _outside(path, value, f.metadata["json_schema"], f.metadata["note"])
+    return problems
+
+
+def _outside(path: str, value: Any, keywords: dict, note: str | None = None) -> list[str]:
+    """`value` against JSON Schema's `keywords` for it: the problems, each naming `path`."""
+    if isinstance(value, list):
+        least, most = keywords.get("minItems", 0), keywords.get("maxItems")
+        if len(value) < least or (most is not None and len(value) > most):
+            wanted = ("a non-empty list" if (least, most) == (1, None) else f"{least} values" if least == most
+                      else f"{least} to {most} values" if most is not None else f"at least {least} values")
+            return [f"{path}: expected {wanted}, got {value}"]
+        return [p for i, item in enumerate(value) for p in _outside(f"{path}[{i}]", item, keywords.get("items", {}))]
+    if isinstance(value, str):
+        return [f"{path}: must not be empty"] if len(value) < keywords.get("minLength", 0) else []
+    low, low_open = keywords.get("exclusiveMinimum", keywords.get("minimum")), "exclusiveMinimum" in keywords
+    high, high_open = keywords.get("exclusiveMaximum", keywords.get("maximum")), "exclusiveMaximum" in keywords
+    if (low is None or value > low or (value == low and not low_open)) and \
+            (high is None or value < high or (value == high and not high_open)):
+        return []
+    if low is not None and high is not None:
+        bound = f"within {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    elif low is not None:  # a count from 1 reads as positive
+        bound = f"> {low}" if low_open else "> 0" if (low, isinstance(value, int)) == (1, True) else f">= {low}"
+    else:
+        bound = f"< {high}" if high_open else f"<= {high}"
+    return [f"{path}: must be {bound}{f' ({note})' if note else ''}, got {value}"]
 
 
 @functools.cache
@@ -622,14 +615,6 @@ def _file_order(raw: dict) -> dict[str, int]:
 def _validate_lora(cfg: RunConfig, errors: list[str]) -> None:
     """Cross-field checks of `model.lora`."""
     lora = cfg.model.lora
-    if lora.rank is not None and lora.rank <= 0:
-        errors.append(f"model.lora.rank: must be > 0 (null: full fine-tune), got {lora.rank}")
-    if lora.alpha <= 0:
-        errors.append(f"model.lora.alpha: must be > 0, got {lora.alpha}")
-    if not 0.0 <= lora.dropout < 1.0:
-        errors.append(f"model.lora.dropout: must be within [0, 1), got {lora.dropout}")
-    if not lora.targets or not all(lora.targets):
-        errors.append(f"model.lora.targets: expected a non-empty list of module names, got {lora.targets}")
     if lora.rank is None:
         if lora.merged_export:
             errors.append("model.lora.merged_export: merges adapters, and model.lora.rank is null (a full fine-tune, "
@@ -647,8 +632,6 @@ def _validate_data(cfg: RunConfig, errors: list[str]) -> None:
     import string
 
     d, e = cfg.data, cfg.eval
-    if not 0.0 <= d.validation_fraction < 1.0:
-        errors.append(f"data.validation_fraction: must be within [0, 1), got {d.validation_fraction}")
     if d.format == "synthetic":
         for key in ("train", "validation"):
             if getattr(d, key) is not None:

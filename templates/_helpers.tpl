@@ -131,13 +131,39 @@ volumes:
 {{- end }}
 {{- end }}
 
-{{/* The job package files shipped by the chart (ConfigMap data). */}}
-{{- define "ray-finetune.jobFiles" -}}
-{{- $files := .Files.Glob "job/*" }}
-{{- if not $files }}
+{{/*
+The job package's files (job/**), a tree: a ConfigMap key cannot hold "/", so each file's key is its path in the
+package with "/" spelled "-" (unambiguous: a Python module name has no "-"), and the volume's items
+(ray-finetune.jobItems) put each key back at its path.
+*/}}
+{{- define "ray-finetune.jobPaths" -}}
+{{- $paths := list }}
+{{- range $path, $_ := .Files.Glob "job/**" }}
+{{- $paths = append $paths (trimPrefix "job/" $path) }}
+{{- end }}
+{{- if not $paths }}
 {{- fail "the chart has no job/ package files: package the chart from the repository root" }}
 {{- end }}
-{{- $files.AsConfig }}
+{{- toJson $paths }}
+{{- end }}
+
+{{- define "ray-finetune.jobKey" -}}{{ replace "/" "-" . }}{{- end }}
+
+{{/* The job ConfigMap's data: each file's text under its key. */}}
+{{- define "ray-finetune.jobFiles" -}}
+{{- $data := dict }}
+{{- range include "ray-finetune.jobPaths" . | fromJsonArray }}
+{{- $_ := set $data (include "ray-finetune.jobKey" .) ($.Files.Get (printf "job/%s" .)) }}
+{{- end }}
+{{- toYaml $data }}
+{{- end }}
+
+{{/* The job volume's items: each key mounted at its path in the package. */}}
+{{- define "ray-finetune.jobItems" -}}
+{{- range include "ray-finetune.jobPaths" . | fromJsonArray }}
+- key: {{ include "ray-finetune.jobKey" . }}
+  path: {{ . }}
+{{- end }}
 {{- end }}
 
 {{/* Mount points in every Ray pod: the job package at <jobRoot>/job (on PYTHONPATH), the run config file. */}}
@@ -345,6 +371,8 @@ pod:
     - name: job-code
       configMap:
         name: {{ include "ray-finetune.fullname" . }}-job
+        items:
+          {{- include "ray-finetune.jobItems" . | nindent 10 }}
     - name: run-config
       configMap:
         name: {{ include "ray-finetune.fullname" . }}-run

@@ -58,6 +58,11 @@ INVALID_VALUES = sorted((REPO / "tests" / "fixtures" / "invalid-values").glob("*
 SCHEMA = json.loads((REPO / "values.schema.json").read_text())
 
 
+def job_files() -> list:
+    """The job package's files, as the chart ships them (its .helmignore leaves out `__pycache__`)."""
+    return [p for p in (REPO / "job").rglob("*") if p.suffix in (".py", ".json") and "__pycache__" not in p.parts]
+
+
 def ray_pod_specs(objects):
     """(group, pod template) of every Ray pod: head and worker groups, of the RayJob or the RayCluster."""
     for obj in objects:
@@ -674,11 +679,17 @@ def test_ray_pods_get_the_job_environment_and_mounts():
 
 
 def test_job_code_configmap_ships_the_package():
-    cm = [c for c in by_kind(render(), "ConfigMap") if "__main__.py" in c["data"]][0]
-    shipped = {p.name for p in (REPO / "job").iterdir() if p.is_file() and p.suffix in (".py", ".json")}
-    assert set(cm["data"]) == shipped
-    for name in shipped:
-        assert cm["data"][name] == (REPO / "job" / name).read_text()
+    objects = render()
+    cm = [c for c in by_kind(objects, "ConfigMap") if "__main__.py" in c["data"]][0]
+    shipped = {p.relative_to(REPO / "job").as_posix() for p in job_files()}
+    assert set(cm["data"]) == {path.replace("/", "-") for path in shipped}
+    for path in shipped:
+        assert cm["data"][path.replace("/", "-")] == (REPO / "job" / path).read_text()
+    # Each pod's volume puts every key back at its path in the package tree.
+    for _, group in ray_pod_specs(objects):
+        (volume,) = [v for v in group["template"]["spec"]["volumes"] if v["name"] == "job-code"]
+        assert {item["path"] for item in volume["configMap"]["items"]} == shipped
+        assert all(item["key"] == item["path"].replace("/", "-") for item in volume["configMap"]["items"])
     assert len(json.dumps(cm["data"])) < 900_000, "a ConfigMap holds at most 1 MiB"
 
 
@@ -846,8 +857,7 @@ def test_package_contains_the_job_and_renders_the_same(tmp_path):
     (package,) = tmp_path.glob("ray-finetune-*.tgz")
     with tarfile.open(package) as tar:
         names = set(tar.getnames())
-    job_files = {f"ray-finetune/job/{p.name}" for p in (REPO / "job").iterdir() if p.is_file() and p.suffix in (".py", ".json")}
-    assert job_files <= names
+    assert {f"ray-finetune/{p.relative_to(REPO).as_posix()}" for p in job_files()} <= names
     assert "ray-finetune/charts/raylib/templates/_ray-pod-template.tpl" in names
     assert not any(n.startswith(("ray-finetune/tests/", "ray-finetune/.tools/", "ray-finetune/.venv/")) for n in names)
     args = ("-f", "values/cpu-smoke.yaml")

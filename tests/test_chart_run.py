@@ -24,6 +24,8 @@ import pytest
 
 from chart_helpers import by_kind, one, render
 
+from job.records.environment import job_sha256
+
 RELEASE = "smoke"
 NAMESPACE = "experiments"
 
@@ -37,6 +39,20 @@ def free_port() -> int:
 def cpu_cores(quantity) -> float:
     text = str(quantity)
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def kubelet_config_map(target: Path, data: dict[str, str], items: list[dict] | None) -> None:
+    """A ConfigMap volume as the kubelet writes it (its atomic writer): the files, at their item paths (else under
+    their keys), in a timestamped directory that `..data` links to, and each top-level name a link into
+    `..data`."""
+    files = {item["path"]: data[item["key"]] for item in items} if items else dict(data)
+    stamped = target / "..2026_01_01_00_00_00.000000001"
+    for path, text in files.items():
+        (stamped / path).parent.mkdir(parents=True, exist_ok=True)
+        (stamped / path).write_text(text)
+    (target / "..data").symlink_to(stamped.name)
+    for name in {path.split("/")[0] for path in files}:
+        (target / name).symlink_to(f"..data/{name}")
 
 
 class Pod:
@@ -56,9 +72,8 @@ class Pod:
             volume = volumes[mount["name"]]
             if "configMap" in volume:
                 target = root / mount["mountPath"].lstrip("/")
-                target.mkdir(parents=True)
-                for key, text in config_maps[volume["configMap"]["name"]]["data"].items():
-                    (target / key).write_text(text)
+                kubelet_config_map(target, config_maps[volume["configMap"]["name"]]["data"],
+                                   volume["configMap"].get("items"))
             elif "persistentVolumeClaim" in volume:
                 target = Path(mount["mountPath"])  # the test set storage.mountPath to a temporary directory
                 target.mkdir(parents=True, exist_ok=True)
@@ -160,6 +175,7 @@ def test_cpu_smoke_rayjob_runs_and_writes_where_storage_says(pod_root):
     assert metrics, "metrics.jsonl is empty"
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "succeeded" and record["run_name"] == RELEASE
+    assert record["job"]["sha256"] == job_sha256()  # the tree as mounted is this checkout's package
     # The startup phase from the entrypoint's start, by step, adding up to the phase.
     startup = record["time"]["startup_s"]
     assert list(startup) == ["imports", "checks", "ray", "prepare", "workers", "worker_imports", "preflight"]

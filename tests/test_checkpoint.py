@@ -21,9 +21,11 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_run_config
-from job import checkpoint as checkpoint_lib
+from job.worker import checkpoint as checkpoint_lib
+from job.worker import checkpoint_writer
 from job import config as config_lib
-from job import evidence, launch
+from job.records import evidence
+from job.driver import launch
 
 MAX_STEPS = 20
 EVERY = 4
@@ -312,7 +314,7 @@ def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
 def test_acceptance_process_started_ahead_checks_what_it_is_sent(reference, tmp_path):
     """The acceptance process the run starts before writing its export: it checks the directory it is sent (and
     says where its time went), reports a failure with its stderr, and ends quietly when no check is asked of it."""
-    from job import export as X
+    from job.worker import export as X
 
     copy = tmp_path / "export"
     shutil.copytree(f"{reference}/export", copy)
@@ -343,13 +345,13 @@ def _sharded_model(cfg: config_lib.RunConfig, fsdp: str = "always"):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from job.model import CausalLMWithLoss, build_causal_lm, parallelize
-    from job.train import build_optimizer
+    from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
+    from job.worker.optimizer import build_optimizer
 
     lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
     model = parallelize(CausalLMWithLoss(lm), dataclasses.replace(cfg.parallel, fsdp=fsdp),
                         init_device_mesh("cpu", (1,)), False)
-    optimizer, _ = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train)
     return model, optimizer
 
 
@@ -396,7 +398,7 @@ def test_unreadable_checkpoints_fail_naming_the_path(reference, tmp_path, single
 
 def _save(step: int, model, optimizer, cfg, run_dir: str, identity: dict) -> None:
     """One complete save (staged, written, finished), as the loop's checkpointer does it."""
-    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     try:
         checkpointer.save(step, model, optimizer)
         checkpointer.finish()
@@ -529,7 +531,7 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     run_dir = "memory://runs/mem"
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     for step in (4, 8, 12):
         rng = torch.get_rng_state()
         checkpointer.save(step, model, optimizer)  # finishes the previous save first
@@ -551,7 +553,7 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
 
 def _shm_free() -> int:
     try:
-        st = os.statvfs(checkpoint_lib.SHARED_MEMORY)
+        st = os.statvfs(checkpoint_writer.SHARED_MEMORY)
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
@@ -568,7 +570,7 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
     run_dir = str(tmp_path / "runs" / "proc")
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     writer = checkpointer.prepare(model)  # before the first step, as the loop does
     assert writer["writer"] == "process" and writer["bytes"] > 0
     model(**_batch())[0].backward()
@@ -616,16 +618,16 @@ def test_a_save_staged_on_the_device_holds_its_steps_state_while_training_goes_o
     run_dir = str(tmp_path / "runs" / "dev")
     model, optimizer = _sharded_model(cfg, fsdp)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    monkeypatch.setattr(checkpoint_lib, "choose_staging", lambda device, need: {"on": "device", "bytes": need})
+    monkeypatch.setattr(checkpoint_writer, "choose_staging", lambda device, need: {"on": "device", "bytes": need})
     stepped = threading.Event()
-    real_stage = checkpoint_lib.HostStager.stage
+    real_stage = checkpoint_writer.HostStager.stage
 
     def stage_after_the_next_step(self, state_dict, after=None):
         assert stepped.wait(timeout=60)
         return real_stage(self, state_dict, after)
 
-    monkeypatch.setattr(checkpoint_lib.HostStager, "stage", stage_after_the_next_step)
-    checkpointer = checkpoint_lib.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    monkeypatch.setattr(checkpoint_writer.HostStager, "stage", stage_after_the_next_step)
+    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     model(**_batch())[0].backward()
     optimizer.step()
     checkpointer.save(4, model, optimizer)
@@ -668,7 +670,7 @@ def test_host_buffers_are_faulted_in_beside_the_steps_before_the_first_save(tmp_
                   checkpoint={"async_save": True, "async_writer": writer})
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    checkpointer = checkpoint_lib.Checkpointer(cfg, str(tmp_path / "runs" / "reserve"), torch.device("cpu"), identity)
+    checkpointer = checkpoint_writer.Checkpointer(cfg, str(tmp_path / "runs" / "reserve"), torch.device("cpu"), identity)
     checkpointer.prepare(model)
     model(**_batch())[0].backward()
     optimizer.step()
@@ -703,9 +705,9 @@ def test_saves_stage_on_the_device_only_with_room_beside_the_training_peak(monke
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 50 * gb)  # 10 GB held elsewhere
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 55 * gb)
     gpu = torch.device("cuda", 0)
-    assert checkpoint_lib.choose_staging(gpu, 30 * gb) == {"on": "device", "bytes": 30 * gb, "spare_bytes": 30 * gb}
-    assert checkpoint_lib.choose_staging(gpu, 30 * gb + 1)["on"] == "host"
-    assert checkpoint_lib.choose_staging(torch.device("cpu"), 1)["on"] == "host"
+    assert checkpoint_writer.choose_staging(gpu, 30 * gb) == {"on": "device", "bytes": 30 * gb, "spare_bytes": 30 * gb}
+    assert checkpoint_writer.choose_staging(gpu, 30 * gb + 1)["on"] == "host"
+    assert checkpoint_writer.choose_staging(torch.device("cpu"), 1)["on"] == "host"
 
 
 @pytest.mark.parametrize("fsdp", ["always", "auto"])
@@ -721,12 +723,12 @@ def test_the_first_saves_layout_is_known_before_the_first_step(tmp_path, single_
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     model, optimizer = _sharded_model(_config(tmp_path, "layout", parallel=parallel), fsdp)
-    predicted = checkpoint_lib.first_save_layout(model)
+    predicted = checkpoint_writer.first_save_layout(model)
     assert not optimizer.state
     model(**_batch())[0].backward()
     optimizer.step()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    assert predicted == checkpoint_lib.tensor_layout({"model": model_sd, "optim": optim_sd})
+    assert predicted == checkpoint_writer.tensor_layout({"model": model_sd, "optim": optim_sd})
 
 
 def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monkeypatch):
@@ -734,7 +736,7 @@ def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monke
     `auto` takes the writer thread and says why, `thread` never looks."""
     cfg = _config(tmp_path, "shm", scaling={"num_workers": 1})
     model, optimizer = _sharded_model(cfg)
-    layout = checkpoint_lib.tensor_layout(model.state_dict())
+    layout = checkpoint_writer.tensor_layout(model.state_dict())
     need = sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
     real_statvfs = os.statvfs
 
@@ -745,17 +747,17 @@ def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monke
     monkeypatch.setattr(os, "statvfs", small_shm)
     group = torch.distributed.new_group(backend="gloo")
     with pytest.raises(checkpoint_lib.CheckpointError) as info:
-        checkpoint_lib.choose_writer("process", layout, group)
+        checkpoint_writer.choose_writer("process", layout, group)
     assert str(info.value) == (
         f"checkpoint.async_writer: process: this node's 1 worker(s) stage {need / 1e9:.2f} GB of checkpoint state, "
         "and /dev/shm has 0.00 GB free. Give the pods more shared memory (the chart's shm.sizeLimit, within the "
         "pods' memory limit) or set checkpoint.async_writer: thread")
-    auto = checkpoint_lib.choose_writer("auto", layout, group)
+    auto = checkpoint_writer.choose_writer("auto", layout, group)
     assert auto["writer"] == "thread" and auto["reason"].startswith("checkpoint.async_writer: auto, and this node's")
-    assert checkpoint_lib.choose_writer("thread", layout, group)["writer"] == "thread"
+    assert checkpoint_writer.choose_writer("thread", layout, group)["writer"] == "thread"
     monkeypatch.setattr(os, "statvfs", real_statvfs)
     if _shm_free() > need:
-        assert checkpoint_lib.choose_writer("auto", layout, group)["writer"] == "process"
+        assert checkpoint_writer.choose_writer("auto", layout, group)["writer"] == "process"
 
 
 def test_fault_injection_settings_are_checked():

@@ -12,7 +12,7 @@ PROGRAM = """
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-from job import compile_cache
+from job.worker import compile_cache
 
 uri, mode = sys.argv[1], sys.argv[2]
 state = compile_cache.load(uri) if mode == "load" else None

@@ -170,7 +170,7 @@ def test_driver_reports_every_problem_before_any_worker(tmp_path, capsys):
 
 
 def test_a_model_directory_is_checked_against_its_config_json_with_the_overrides(tmp_path):
-    from job import launch
+    from job.driver import launch
 
     model = tmp_path / "model"
     model.mkdir()
@@ -201,7 +201,7 @@ def test_the_driver_does_not_import_the_training_loop(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**VALID, "storage_path": str(blocker), "train": {"seq_len": 9000}}))
     probe = (f"import sys; from job.__main__ import main; assert main(['--config', {str(path)!r}]) == 2; "
-             "print(sorted(m for m in ('job.train', 'job.model', 'torch._inductor', 'transformers') if m in sys.modules))")
+             "print(sorted(m for m in ('job.worker.train', 'job.worker.model', 'torch._inductor', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                          text=True, check=True)
     assert "train.seq_len: 9000 is beyond" in out.stderr  # the model's settings were checked

@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from job import data as data_lib
-from job.data import IGNORE_INDEX, TokenStream
+from job.worker import data as data_lib
+from job.worker.data import IGNORE_INDEX, TokenStream
 
 
 def stream(docs, masks=None):

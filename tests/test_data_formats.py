@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from job import config as config_lib
-from job import data as D
+from job.worker import data as D
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p for p in (REPO.parent / "shared" / "data", REPO.parent.parent / "shared" / "data") if p.exists()), None)
@@ -158,7 +158,7 @@ def test_packing_reproduces_every_token_exactly_once(seq_len):
 def test_packed_documents_do_not_attend_across_boundaries():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from job.model import CausalLMWithLoss
+    from job.worker.model import CausalLMWithLoss
 
     torch.manual_seed(0)
     arch = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

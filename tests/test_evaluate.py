@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from job import evaluate as E
+from job.worker import evaluate as E
 from tests.conftest import tiny_run_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ class FixedAnswers:
         self.calls = []
 
     def __call__(self, lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
-        from job.generate import Generated
+        from job.worker.generate import Generated
 
         assert (attention_mask[:, -1] == 1).all()  # left padded
         assert eos_token_id is not None  # stops at EOS
@@ -104,7 +104,7 @@ class FixedAnswers:
 def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch):
     from types import SimpleNamespace
 
-    from job import data as D
+    from job.worker import data as D
 
     tok = D.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: #### 7"] * 5, 300)
     items = [{"question": f"q{i}", "prompt": f"Question: {i}\nAnswer: ", "reference": f"#### {7 if i % 2 else 8}"}
@@ -131,7 +131,7 @@ def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch)
 @needs_gsm8k
 def test_two_worker_gsm8k_run_lowers_held_out_loss_and_scores_the_task(tmp_path, ray_cluster):
     from job import config as config_lib
-    from job import launch
+    from job.driver import launch
 
     raw = tiny_run_config(
         tmp_path,
@@ -190,7 +190,7 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
     from torch.distributed.device_mesh import init_device_mesh
 
     from job import config as config_lib
-    from job.model import CausalLMWithLoss, build_causal_lm, parallelize
+    from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # traced, not built
@@ -243,13 +243,13 @@ def one_rank(tmp_path):
 
 
 def _baseline_run(tmp_path, records):
-    """What `train.start_baseline`, `baseline_at_step_0` and `finish_task_eval` read of a `train.Run`: a tiny random
+    """What `task_eval.start_baseline`, `baseline_at_step_0` and `finish_task_eval` read of a `run.Run`: a tiny random
     Qwen2 (`model`, not sharded), BPE-tokenized GSM8K-style items, on CPU."""
     from types import SimpleNamespace
 
-    from job import data as D
-    from job.metrics import Timeline
-    from job.model import CausalLMWithLoss
+    from job.worker import data as D
+    from job.worker.metrics import Timeline
+    from job.worker.model import CausalLMWithLoss
     from tests.test_generate import tiny_lm
 
     tok = D.train_bpe_tokenizer([f"Question: what is {i} + 4?\nAnswer: #### {i + 4}" for i in range(20)], 64)
@@ -271,12 +271,12 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
     beside), `baseline_at_step_0` decodes at once, inside the phase: the same record either way."""
     import threading
 
-    from job import train
+    from job.worker import task_eval
 
     records = []
     run = _baseline_run(tmp_path, records)
     threads, decoded = [], threading.Event()
-    decode = train.task_decode
+    decode = task_eval.task_decode
 
     def task_decode(*args):
         threads.append(threading.current_thread())
@@ -284,10 +284,10 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
         decoded.set()
         return share
 
-    monkeypatch.setattr(train, "task_decode", task_decode)
-    pending = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, 0, 1, run.device, bf16=False)
+    monkeypatch.setattr(task_eval, "task_decode", task_decode)
+    pending = task_eval.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, 0, 1, run.device, bf16=False)
     assert pending.background and decoded.wait(timeout=300)  # the data would be tokenized meanwhile
-    train.finish_task_eval(run, 0, pending)
+    task_eval.finish_task_eval(run, 0, pending)
 
     (record,) = records
     assert threads[0] is not threading.main_thread()
@@ -299,12 +299,12 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
     assert run.timeline.seconds["task_eval"] < 0.5
 
     run.baseline = pending
-    monkeypatch.setattr(train, "unsharded_copy", lambda r: pytest.fail("gathered a copy"))
-    assert train.baseline_at_step_0(run) is pending and len(threads) == 1  # nothing gathered, nothing decoded
+    monkeypatch.setattr(task_eval, "unsharded_copy", lambda r: pytest.fail("gathered a copy"))
+    assert task_eval.baseline_at_step_0(run) is pending and len(threads) == 1  # nothing gathered, nothing decoded
     records.clear()
-    monkeypatch.setattr(train, "unsharded_copy", lambda r: r.model.lm)
+    monkeypatch.setattr(task_eval, "unsharded_copy", lambda r: r.model.lm)
     run.baseline = None
-    train.finish_task_eval(run, 0, train.baseline_at_step_0(run))
+    task_eval.finish_task_eval(run, 0, task_eval.baseline_at_step_0(run))
     assert threads[1] is threading.main_thread()
     assert records[0]["overlapped_s"] == 0.0 and run.timeline.seconds["task_eval"] >= records[0]["seconds"]
     same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "overlapped_s")}  # noqa: E731
@@ -312,7 +312,7 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
 
 
 def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_headroom(tmp_path, monkeypatch):
-    from job import train
+    from job.worker import task_eval
 
     run = _baseline_run(tmp_path, [])
     lm, cuda = run.model.lm, torch.device("cuda", 0)  # only a name here: the memory figures are the patched ones
@@ -325,8 +325,8 @@ def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_head
     cached_unused = 3 * cache  # held by the caching allocator, free to reuse
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * cache)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * cache - cached_unused)
-    needed = 2 * cache + train.DECODE_HEADROOM * total
-    room = lambda device: train.room_to_decode_beside(device, lm, run.tokenizer, run.task_items, run.cfg.eval, 0, 1)  # noqa: E731
+    needed = 2 * cache + task_eval.DECODE_HEADROOM * total
+    room = lambda device: task_eval.room_to_decode_beside(device, lm, run.tokenizer, run.task_items, run.cfg.eval, 0, 1)  # noqa: E731
     for free, fits in ((needed - cached_unused, True), (needed - cached_unused - 1, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))
         assert room(cuda) is fits
@@ -343,7 +343,7 @@ def _baseline_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from job import train
+    from job.worker import task_eval
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -353,7 +353,7 @@ def _baseline_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         run = _baseline_run(Path(out_dir), records)
         run.rank, run.world = rank, world
         if rank == 0:
-            run.baseline = train.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, rank, world,
+            run.baseline = task_eval.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, rank, world,
                                                 run.device, bf16=False)
         gathered = []
 
@@ -362,9 +362,9 @@ def _baseline_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             gathered.append(rank)
             return r.model.lm
 
-        train.unsharded_copy = unsharded_copy
-        pending = train.baseline_at_step_0(run)
-        train.finish_task_eval(run, 0, pending)
+        task_eval.unsharded_copy = unsharded_copy
+        pending = task_eval.baseline_at_step_0(run)
+        task_eval.finish_task_eval(run, 0, pending)
         out = {"gathered": len(gathered), "background": pending.background, "n": records[0]["n"]}
     finally:
         dist.destroy_process_group()

@@ -1,5 +1,5 @@
-"""Tests of job/nccl.py (NCCL log parsing), job/preflight.py (preflight on gloo), job/environment.py (worker
-inventory, pod image) and job/evidence.py (run record, compare)."""
+"""Tests of job/records/nccl.py (NCCL log parsing), job/records/preflight.py (preflight on gloo), job/records/environment.py (worker
+inventory, pod image) and job/records/evidence.py (run record, compare)."""
 
 import copy
 import datetime
@@ -15,8 +15,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from job import environment as environment_lib
-from job import evidence, nccl, preflight
+from job.records import environment as environment_lib
+from job.records import compare, evidence, nccl, preflight
 from job.config import ExpectConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
@@ -174,7 +174,7 @@ def _preflight_worker(rank, world, port, out_dir, hostnames, bad_expect):
     import torch
     import torch.distributed as dist
 
-    from job import preflight
+    from job.records import preflight
     from job.config import ExpectConfig, PreflightConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -492,13 +492,13 @@ def test_compare_reports_exactly_the_differences(tmp_path, monkeypatch, capsys):
     b["metrics"]["final_eval_loss"] = 2.0
     evidence.write_record(str(b_dir), b)
 
-    diffs = evidence.compare_records(a, b)
+    diffs = compare.compare_records(a, b)
     assert diffs["config"] == [("train.lr", 1e-4, 2e-4)]
     assert diffs["packages"] == [(some_pkg, a["packages"][some_pkg], "999.0")]
     assert diffs["image"] == diffs["data"] == diffs["hardware"] == []
     assert diffs["results"] == [("final_eval_loss", 2.6, 2.0)]
 
-    assert evidence.compare_main([str(a_dir), str(b_dir)]) == 1
+    assert compare.main([str(a_dir), str(b_dir)]) == 1
     out = capsys.readouterr().out
     assert "config: 1 differ\n  train.lr: 0.0001 -> 0.0002" in out
     assert f"packages: 1 differ\n  {some_pkg}: {a['packages'][some_pkg]} -> 999.0" in out
@@ -528,7 +528,7 @@ def test_compare_image_run_with_runtime_install_run(tmp_path, monkeypatch, capsy
     assert installed["packages"] == {"added-pkg": "1.2.3", "pyyaml": image_env["packages"]["pyyaml"]}
     assert runs["installed"]["workers"][0]["environment"]["runtime_env"] == runtime_env_install
 
-    diffs = evidence.compare_records(runs["image"], runs["installed"])
+    diffs = compare.compare_records(runs["image"], runs["installed"])
     assert diffs["runtime_env"] == [
         ("installed_at_start", False, True),
         ("packages.added-pkg", None, "1.2.3"),
@@ -538,7 +538,7 @@ def test_compare_image_run_with_runtime_install_run(tmp_path, monkeypatch, capsy
         ("requested.pip.pip_check", None, False)]
     assert diffs["packages"] == [("added-pkg", None, "1.2.3")]
     assert diffs["image"] == diffs["config"] == diffs["data"] == diffs["hardware"] == []
-    assert evidence.compare_main([str(tmp_path / "image"), str(tmp_path / "installed")]) == 1
+    assert compare.main([str(tmp_path / "image"), str(tmp_path / "installed")]) == 1
     out = capsys.readouterr().out
     assert "runtime env: 6 differ\n  installed_at_start: false -> true\n" in out
     assert out.rstrip().endswith("verdict: environments differ in runtime env, packages")
@@ -548,19 +548,19 @@ def test_compare_identical_and_bad_input(tmp_path, monkeypatch, capsys):
     a_dir, b_dir, a, b = _two_runs(tmp_path, monkeypatch)
     b["metrics"]["mfu"] = 0.5  # results may differ; environments are still identical
     evidence.write_record(str(b_dir), b)
-    assert evidence.compare_main([str(a_dir), str(b_dir)]) == 0
+    assert compare.main([str(a_dir), str(b_dir)]) == 0
     out = capsys.readouterr().out
     assert "verdict: environments identical" in out and "mfu: 0.4 -> 0.5" in out
     # Data and hardware differences are environment differences too.
     b["data"]["fingerprint"]["sha256"] = "2" * 64
     b["hardware"]["accelerators"] = {"NVIDIA H100 80GB HBM3": 8}
-    diffs = evidence.compare_records(a, b)
+    diffs = compare.compare_records(a, b)
     assert [d[0] for d in diffs["data"]] == ["sha256"] and [d[0] for d in diffs["hardware"]] == ["accelerators"]
 
     missing = tmp_path / "missing"
-    assert evidence.compare_main([str(a_dir), str(missing)]) == 2
+    assert compare.main([str(a_dir), str(missing)]) == 2
     assert f"no run.json at {missing / 'run.json'}" in capsys.readouterr().err
-    assert evidence.compare_main([str(a_dir)]) == 2
+    assert compare.main([str(a_dir)]) == 2
 
 
 def test_record_and_compare_on_a_remote_filesystem(tmp_path, monkeypatch, capsys):
@@ -578,7 +578,27 @@ def test_record_and_compare_on_a_remote_filesystem(tmp_path, monkeypatch, capsys
     a = evidence.load_record(f"{base}/a")
     validate(a)
     assert a["status"] == "succeeded" and a["metrics"]["final_eval_loss"] == 2.0 and a["run_name"] == "a"
-    assert evidence.compare_main([f"{base}/a", f"{base}/b"]) == 1
+    assert compare.main([f"{base}/a", f"{base}/b"]) == 1
     assert "lr: 0.0001 -> 0.0003" in capsys.readouterr().out
-    assert evidence.compare_main([f"{base}/a", f"{base}/nothing"]) == 2
+    assert compare.main([f"{base}/a", f"{base}/nothing"]) == 2
     assert f"no run.json at {base}/nothing/run.json" in capsys.readouterr().err
+
+
+def test_job_sha256_is_the_manifest_hash_a_shell_computes(tmp_path):
+    import shutil
+    import subprocess
+
+    from job import PACKAGE_DIR
+
+    shell = subprocess.run("find job -type f \\( -name '*.py' -o -name '*.json' \\) | LC_ALL=C sort | xargs sha256sum "
+                           "| sha256sum", shell=True, cwd=os.path.dirname(PACKAGE_DIR), capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    assert environment_lib.job_sha256() == shell
+    # As the kubelet mounts it: links into `..data` and its timestamped directory, which the hash does not count twice.
+    mount = tmp_path / "job"
+    shutil.copytree(PACKAGE_DIR, tmp_path / "..stamped", ignore=shutil.ignore_patterns("__pycache__"))
+    mount.mkdir()
+    (mount / "..data").symlink_to("../..stamped")
+    for name in os.listdir(tmp_path / "..stamped"):
+        (mount / name).symlink_to(f"..data/{name}")
+    assert environment_lib.job_sha256(str(mount)) == shell

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from conftest import REPO, tiny_run_config
-from job import checkpoint as checkpoint_lib
+from job.worker import checkpoint as checkpoint_lib
 from job import config as config_lib
-from job import data as data_lib
-from job import evidence, failures
+from job.worker import data as data_lib
+from job.records import compare, evidence, failures
 
 
 def validate(record):
@@ -91,7 +91,7 @@ def test_classify_from_the_exception_chain(exc, expected):
 
 
 def test_non_finite_loss_is_the_model():
-    from job.train import NonFiniteError
+    from job.worker.train import NonFiniteError
 
     assert failures.classify(NonFiniteError("step 3: loss nan"))[:2] == ("model", "non_finite_loss")
 
@@ -454,7 +454,7 @@ def _run(tmp_path, name, workers=1, max_failures=0, **sections):
                           model=model, data={"format": "synthetic", "train": None}, logging={"every_steps": 1},
                           **sections)
     raw["checkpoint"] = {"export": False, "every_steps": 4, **raw.get("checkpoint", {})}
-    from job import launch
+    from job.driver import launch
 
     cfg = launch.resolve_paths(config_lib.load_dict(raw))
     run_dir = launch.run_directory(cfg)
@@ -523,7 +523,7 @@ def test_a_really_full_disk_ends_failed_disk_full_with_the_partial_save_removed(
 
 
 def test_loss_spike_needs_n_intervals_in_a_row_above_the_median():
-    from job.watchdog import LossSpikeError, LossSpikes
+    from job.worker.watchdog import LossSpikeError, LossSpikes
 
     spikes = LossSpikes(3.0, 3)
     for step, loss in enumerate([5, 4, 3, 2.5, 2.4, 2.3, 9, 2.2, 9, 9], 1):  # before 5 losses, and 2 in a row: no
@@ -539,7 +539,7 @@ def test_loss_spike_needs_n_intervals_in_a_row_above_the_median():
 def test_watchdog_allows_phases_longer_and_dumps_every_thread_when_one_hangs(tmp_path):
     script = f"""
 import time
-from job import watchdog
+from job.worker import watchdog
 watchdog.HANG_GRACE_S = 0
 w = watchdog.Watchdog(1.0, {str(tmp_path)!r}, rank=1, attempt=2, step=0)
 w.phase("eval", True); time.sleep(2.5); w.phase("eval", False)  # within 6 timeouts: no hang
@@ -577,7 +577,7 @@ def test_a_hung_rank_fails_the_run_as_a_hang_naming_it_from_every_ranks_stacks(t
         message
     stacks = tmp_path / "runs" / "hang" / "hang"
     assert f"after step 5; every rank's Python stacks: {stacks}/attempt-1-rank*.txt; hung: rank 1; rank 1 after " \
-           "step 5, outside any collective at checkpoint.py:" in err["message"], err["message"]
+           "step 5, outside any collective at faults.py:" in err["message"], err["message"]
     assert err["message"].endswith(" in maybe_fail"), err["message"]
     sleeper, waiter = ((stacks / f"attempt-1-rank{r}.txt").read_text() for r in (1, 0))
     assert "in maybe_fail\n    time.sleep(60)" in sleeper  # rank 1 sleeps before the step's first collective
@@ -586,7 +586,7 @@ def test_a_hung_rank_fails_the_run_as_a_hang_naming_it_from_every_ranks_stacks(t
 
 
 def test_hung_ranks_are_those_outside_a_collective_or_behind_the_others():
-    from job.watchdog import hung_ranks
+    from job.worker.watchdog import hung_ranks
 
     def where(rank, step, inside):
         return {"rank": rank, "step": step, "in_collective": inside, "at": "x.py:1 in f"}
@@ -678,7 +678,7 @@ def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_w
     assert [(a["status"], a["started_at"]) for a in attempt["previous_attempts"]][0] == \
         ("succeeded", record["started_at"])
     # runs, report and compare show the run as it finished, with the refused attempts listed.
-    from job import report, runs
+    from job.records import report, runs
 
     capsys.readouterr()
     assert runs.main([str(tmp_path / "runs"), "--name", "refused"]) == 0
@@ -686,7 +686,7 @@ def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_w
     assert row.split()[1] == "succeeded" and "later attempts: 2 failed config/resume_refused" in row, row
     assert report.main([run_dir, "--out", str(tmp_path / "report"), "--no-plots"]) == 0
     assert "| Later attempts | later attempts: 2 failed" in (tmp_path / "report" / "report.md").read_text()
-    assert evidence.compare_main([run_dir, run_dir]) == 0
+    assert compare.main([run_dir, run_dir]) == 0
     assert "(refused, succeeded; later attempts: 2 failed" in capsys.readouterr().out
 
 
@@ -694,7 +694,7 @@ def test_async_saves_first_write_is_not_slower_and_each_completes_within_an_inte
     """The window a crash can lose (docs/checkpoints.md, "What a crash loses"): the writer process starts before
     the first step, so the first save's write is not the slow one (it took 6.1 s, 5 steps' worth, in issue 33),
     and a save always completes before the next begins."""
-    from job import launch
+    from job.driver import launch
 
     every = 10
     raw = tiny_run_config(tmp_path, name="window", scaling={"num_workers": 1, "max_failures": 0},
@@ -781,7 +781,7 @@ def _lease_cases(tmp_path, s3_env, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_live_lease_refuses_a_second_driver_and_a_stale_one_is_taken_over(tmp_path, monkeypatch, backend, request):
-    from job import lease as lease_lib
+    from job.records import lease as lease_lib
     from job import storage
 
     run_dir = _lease_cases(tmp_path, request.getfixturevalue("s3_endpoint") if backend == "s3" else None,

@@ -1,9 +1,9 @@
-"""Greedy generation (job/generate.py) against Transformers' own greedy loop, token for token, on CPU."""
+"""Greedy generation (job/worker/generate.py) against Transformers' own greedy loop, token for token, on CPU."""
 
 import pytest
 import torch
 
-from job import generate as G
+from job.worker import generate as G
 
 
 def tiny_lm(heads: int = 6, kv_heads: int = 2, attention: str = "sdpa", seed: int = 0, vocab_size: int = 64):
@@ -112,7 +112,7 @@ def test_a_failed_capture_goes_on_eagerly_and_says_why():
 
 
 def test_the_generation_copy_switches_its_own_attention_not_the_training_models():
-    from job.model import CausalLMWithLoss, gathered_copy
+    from job.worker.model import CausalLMWithLoss, gathered_copy
 
     model = CausalLMWithLoss(tiny_lm())
     copy = gathered_copy(model, torch.float32, torch.device("cpu"))

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_run_config
-from job import checkpoint as checkpoint_lib
+from job.worker import checkpoint as checkpoint_lib
 from job import config as config_lib
-from job import evidence, report
+from job.records import evidence, report
 from job.config import ConfigError, LoraConfig
-from job.model import CausalLMWithLoss, add_adapters, build_causal_lm, device_mesh, is_adapter, parallelize
-from job.train import build_optimizer
+from job.worker.model import CausalLMWithLoss, add_adapters, build_causal_lm, device_mesh, is_adapter, parallelize
+from job.worker.optimizer import build_optimizer
 from test_checkpoint import MAX_STEPS, _assert_same_training, _config, _final_weights, _records, _run
 
 LORA = {"rank": 4, "alpha": 8, "merged_export": True}
@@ -39,7 +39,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path, sing
         add_adapters(lm, LoraConfig(rank=4, targets=["q_proj", "qkv"]))
     assert len(add_adapters(lm, cfg.model.lora)) == 2 * 7  # 2 layers x (4 attention + 3 MLP projections)
     model = parallelize(CausalLMWithLoss(lm), cfg.parallel, device_mesh("cpu", 1, 0), bf16=False)
-    optimizer, _ = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train)
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert {n for n, p in model.named_parameters() if id(p) in optimized} == {
         n for n, _ in model.named_parameters() if is_adapter(n)}
@@ -71,7 +71,7 @@ def test_resume_refuses_another_base_or_method():
 def test_a_merged_export_that_would_not_fit_is_named_before_training(tmp_path):
     import shutil
 
-    from job.export import merged_room_problem
+    from job.worker.export import merged_room_problem
 
     free = shutil.disk_usage(tmp_path).free
     assert merged_room_problem(str(tmp_path / "runs" / "r"), free // 2) is None
@@ -100,7 +100,7 @@ PEFT_CHECK = textwrap.dedent("""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from job import config as config_lib
-    from job.model import CausalLMWithLoss, build_causal_lm
+    from job.worker.model import CausalLMWithLoss, build_causal_lm
 
     export = sys.argv[1]
     ref = json.load(open(os.path.join(export, "reference.json")))

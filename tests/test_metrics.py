@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from job import config as config_lib
-from job import launch
-from job import metrics
-from job.metrics import MetricsLogger, Timeline, device_timeline, idle_gap_lines, is_terminal
+from job.driver import launch
+from job.worker import contract
+from job.worker import metrics
+from job.worker.metrics import MetricsLogger, Timeline, device_timeline, idle_gap_lines, is_terminal
 
 
 def test_timeline_splits_startup_by_the_driver_steps_and_counts_goodput_over_the_whole_wall(monkeypatch):
@@ -82,7 +83,7 @@ def test_progress_bar_under_ray_follows_the_drivers_terminal(monkeypatch, settin
     monkeypatch.setattr(sys, "stderr", Stream(driver_tty))
     cfg = config_lib.load_dict({"name": "a", "model": {"init": "random", "preset": "qwen2-tiny"},
                                 "data": {"format": "synthetic"}})
-    loop_config = launch.LoopConfig(cfg, "/runs/a", 1.5, tokenizer_json="{}")
+    loop_config = contract.LoopConfig(cfg, "/runs/a", 1.5, tokenizer_json="{}")
     train_loop_config = launch.ray_loop_config(loop_config)  # in the driver
     monkeypatch.setattr(sys, "stderr", Stream(False))  # in a Ray worker: its stderr is a log file
     received, launcher = launch.ray_worker_args(train_loop_config)

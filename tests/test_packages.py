@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, tiny_run_config
 from job import config as config_lib
-from job import data as data_lib
+from job.worker import data as data_lib
 from job import packages, storage
 from job.config import SourceConfig
 

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import REPO, tiny_run_config
 from job import config as config_lib
-from job import evidence, launch
+from job.records import evidence
+from job.driver import launch
 
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 CACHE = Path(os.path.expanduser("~/.cache/ray-finetune"))

@@ -7,7 +7,7 @@ import re
 import subprocess
 
 from conftest import REPO, assert_tensorboard_matches_metrics
-from job import evidence
+from job.records import evidence
 
 
 def readme_commands() -> list[str]:

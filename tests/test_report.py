@@ -1,4 +1,4 @@
-"""Tests of job/report.py: report.md and PNG plots from a fake run directory."""
+"""Tests of job/records/report.py: report.md and PNG plots from a fake run directory."""
 
 import json
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from job import evidence, report
+from job.records import evidence, report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

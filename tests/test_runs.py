@@ -1,4 +1,4 @@
-"""Tests of job/runs.py: the run index (`python -m job runs`), its filters, bad directories and bad inputs, on a
+"""Tests of job/records/runs.py: the run index (`python -m job runs`), its filters, bad directories and bad inputs, on a
 local directory and on a local S3 server; `report` and `compare` by run name."""
 
 import copy
@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO, tiny_run_config
-from job import evidence, failures, report, runs
+from job.records import compare, evidence, failures, report, runs
 
 DIGEST = "sha256:" + "ab" * 32
 NOW = dt.datetime.now(dt.timezone.utc)
@@ -218,14 +218,14 @@ def test_report_and_compare_by_name(storage, tmp_path, capsys):
     assert report.main(["--storage", str(storage), "gsm8k-a", "--no-plots", "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "report.md").read_text().startswith("# Run report: gsm8k-a\n")
     capsys.readouterr()
-    assert evidence.compare_main(["--storage", str(storage), "gsm8k-a", "gsm8k-b"]) == 1  # the lr differs
+    assert compare.main(["--storage", str(storage), "gsm8k-a", "gsm8k-b"]) == 1  # the lr differs
     out = capsys.readouterr().out
     assert out.startswith(f"A: {storage}/gsm8k-a  (gsm8k-a, succeeded)\nB: {storage}/gsm8k-b  (gsm8k-b, failed)\n")
     assert "train.lr: 1e-05 -> 0.0003" in out
     # A path is still a path, with --storage or without.
-    assert evidence.compare_main(["--storage", str(tmp_path), str(storage / "gsm8k-a"), str(storage / "gsm8k-a")]) == 0
+    assert compare.main(["--storage", str(tmp_path), str(storage / "gsm8k-a"), str(storage / "gsm8k-a")]) == 0
     capsys.readouterr()
-    assert evidence.compare_main(["--storage", str(storage), "gsm8k-a", "gsm8k-z"]) == 2
+    assert compare.main(["--storage", str(storage), "gsm8k-a", "gsm8k-z"]) == 2
     assert capsys.readouterr().err == (f"compare: no run named 'gsm8k-z' under {storage} "
                                        f"(python -m job runs {storage} lists them)\n")
     assert report.main(["--storage", str(storage), "gsm8k-z"]) == 2

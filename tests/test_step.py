@@ -8,8 +8,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from conftest import tiny_run_config
 from job import config as config_lib
-from job.model import CausalLMWithLoss, build_causal_lm, parallelize
-from job.train import build_optimizer, clip_in_step, full
+from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
+from job.worker.optimizer import build_optimizer, clip_in_step, full
 
 
 def _model(tmp_path, fsdp: str, bf16: bool = False, loss_chunk_size: int = 0, **parallel):
@@ -18,7 +18,7 @@ def _model(tmp_path, fsdp: str, bf16: bool = False, loss_chunk_size: int = 0, **
     lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
     model = parallelize(CausalLMWithLoss(lm, cfg.train.loss_chunk_size), cfg.parallel, init_device_mesh("cpu", (1,)),
                         bf16)
-    return model, build_optimizer(model, cfg.train)[0]
+    return model, build_optimizer(model, cfg.train)
 
 
 def _batches(n: int):

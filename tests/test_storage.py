@@ -3,7 +3,8 @@
 import pytest
 
 from job import config as config_lib
-from job import launch, storage
+from job.driver import launch
+from job import storage
 
 
 @pytest.mark.parametrize("uri, remote", [

@@ -1,4 +1,4 @@
-"""MLflow tracking (`job/tracking.py`) against a real tracking server on loopback (`servers.mlflow_server`: SQLite
+"""MLflow tracking (`job/records/tracking.py`) against a real tracking server on loopback (`servers.mlflow_server`: SQLite
 store): a missing package or an unreachable server is one line at start; a server that dies mid-run costs one
 warning and never the training. The run's own MLflow run, over a killed and resumed run, is checked in
 test_failures.py (`check_mlflow_run`)."""
@@ -11,7 +11,9 @@ import pytest
 
 from conftest import tiny_run_config
 from job import config as config_lib
-from job import launch, packages, tracking
+from job.driver import launch
+from job import packages
+from job.records import tracking
 from servers import free_port, mlflow_server
 
 

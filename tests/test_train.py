@@ -13,7 +13,8 @@ import yaml
 
 from conftest import REPO, assert_tensorboard_matches_metrics, tensorboard_scalars, tiny_run_config
 from job import config as config_lib
-from job import evidence, launch
+from job.records import evidence
+from job.driver import launch
 
 
 def run_with_ray(raw: dict) -> str:

@@ -12,7 +12,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Callable
 
-from . import storage
+from .. import storage
 
 HANG_FLOOR_S = 600.0
 """The automatic timeout's floor: at least this long without a step."""

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from .config import ExpectConfig, PreflightConfig
+from ..config import ExpectConfig, PreflightConfig
 from .environment import worker_environment
 from .nccl import worker_transport
 

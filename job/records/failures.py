@@ -9,21 +9,16 @@
   a `Preempted` attempt `infrastructure`/`preempted`; by message, a peer lost under gloo
   `infrastructure`/`worker_lost` and an NCCL error or timeout `infrastructure`/`nccl`; anything else
   `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`, through
-  `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `driver_watch`).
+  `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `watch.driver_watch`).
 * `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while it holds the run
-  lease (`job/lease.py`, which the beats renew), and once more with `"final": true` when it lets go; `liveness`
+  lease (`job/records/lease.py`, which the beats renew), and once more with `"final": true` when it lets go; `liveness`
   reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
   process is gone from this host) is stale, and the next start of the run marks it `abandoned`
-  (`lease.hold` -> `evidence.abandon_stale`).
+  (`watch.hold` -> `evidence.abandon_stale`).
 * Preemption (a worker's SIGTERM, or Ray Train's drain signal): `catch_preemption` turns a worker's SIGTERM into
   a flag (`preemption_signalled`) that the loop agrees on at its next log step; it saves a checkpoint and ends
   the attempt with `Preempted`, which the retry resumes from. Once the worker's loop has returned
   (`stop_catching_preemption`), a SIGTERM is the ordinary end of the worker and goes to the handler it replaced.
-* `driver_watch(run_dir)` -- around the driver's wait on the workers: SIGINT and SIGTERM turned
-  into `Cancelled` (a KeyboardInterrupt) in the main thread, which Ray's wait (`ray.get`) lets through
-  (`launch.run_with_ray` then closes the record and aborts the workers); an exception ending the wait closes a
-  record still left running (`cancelled` for a signal, else `failed`) and propagates. A driver killed outright (SIGKILL, its pod lost) dies with
-  its heartbeat, and the next start marks its record `abandoned`.
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ import socket
 import sys
 import threading
 
-from . import storage
+from .. import storage
 
 CLASSES = ("infrastructure", "data", "config", "model", "cancelled", "unknown")
 COLLECTIVE_REASONS = ("nccl", "hang")
@@ -63,7 +58,7 @@ _BY_TYPE = (
     ("RayActorError", "infrastructure", "worker_lost"),
     ("NodeDiedError", "infrastructure", "worker_lost"),
     ("PreflightError", "infrastructure", "preflight"),
-    ("HangError", "infrastructure", "hang"),  # the hang watchdog's (job/watchdog.py)
+    ("HangError", "infrastructure", "hang"),  # the hang watchdog's (job/worker/watchdog.py)
     ("NonFiniteError", "model", "non_finite_loss"),
     ("LossSpikeError", "model", "loss_spike"),
     ("DataError", "data", "exception"),
@@ -96,8 +91,6 @@ class ClusterLost(RuntimeError):
     `cluster_lost` (the Ray error it came from is its cause)."""
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_received: list[int] = []  # the stop signals this process received (driver_watch's handler)
 
 
 _preemption_signals: list[int] = []  # the SIGTERMs this worker process received (catch_preemption's handler)
@@ -134,14 +127,6 @@ def stop_catching_preemption() -> None:
 def preemption_signalled() -> bool:
     """Whether this process received a SIGTERM since `catch_preemption` (a flag read: costs nothing per step)."""
     return bool(_preemption_signals)
-
-
-def as_cancelled(exc: KeyboardInterrupt) -> Cancelled:
-    """`exc` as the `Cancelled` of the signal received: Ray's wait re-raises the handler's exception as a plain
-    KeyboardInterrupt (`check_status`), which loses the signal; a bare KeyboardInterrupt is a SIGINT."""
-    if isinstance(exc, Cancelled):
-        return exc
-    return Cancelled(_received[0] if _received else signal.SIGINT)
 
 
 _ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
@@ -232,7 +217,7 @@ def _now() -> _dt.datetime:
 def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S, final: bool = False,
                     lease: str | None = None) -> None:
     """`final`: the driver's last beat, as its watch ends (the run over, however it ended); `lease`: the id of
-    the run lease it renews (`job/lease.py`)."""
+    the run lease it renews (`job/records/lease.py`)."""
     beat = {"at": _now().isoformat(timespec="seconds"), "pid": os.getpid(), "host": socket.gethostname(),
             "timeout_s": timeout_s, "final": final, "lease": lease}
     storage.write_atomic(storage.join(run_dir, HEARTBEAT_FILE), json.dumps(beat) + "\n")
@@ -317,37 +302,6 @@ def exit_status(exc: BaseException) -> int:
     """The driver's exit status for a run ended by `exc`: 128 + the signal's number for a `Cancelled` (130 for
     SIGINT, 143 for SIGTERM, as a shell reports a process the signal ended), else 1."""
     return 128 + exc.signum if isinstance(exc, Cancelled) else 1
-
-
-@contextlib.contextmanager
-def driver_watch(run_dir: str):
-    """The driver's watch over a run while it waits on the workers (its heartbeat runs already, renewing the run
-    lease: `lease.hold`): SIGINT/SIGTERM raising `Cancelled` (Ray's own handlers, which exit without closing the
-    record, are put back afterwards). Whatever ends the wait with an exception closes a still-`running` record (`evidence.close_if_running`): `cancelled`
-    for a KeyboardInterrupt (which then propagates as `Cancelled`), else `failed`. A second signal ends the driver at
-    once (the default action)."""
-    from . import evidence
-
-    def stop(signum, frame):
-        _received.append(signum)
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_DFL)
-        raise Cancelled(signum)
-
-    main = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
-    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if main else {}
-    try:
-        yield
-    except KeyboardInterrupt as exc:
-        cancelled = as_cancelled(exc)
-        evidence.close_if_running(run_dir, "cancelled", cancelled)
-        raise cancelled from None
-    except BaseException as exc:
-        evidence.close_if_running(run_dir, "failed", exc)
-        raise
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
 
 
 # --- the verdict --------------------------------------------------------------------------------

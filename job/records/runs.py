@@ -38,7 +38,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
-from . import failures, packages, storage
+from .. import packages, storage
+from ..config import json_schema
+from . import failures
 from .evidence import CLOSED_STATUSES, METRICS_FILE, RUN_RECORD, check_types, later_attempts_line, schema_path
 
 STATUSES = ("running", "stale", "starting", *CLOSED_STATUSES, "unreadable")
@@ -233,8 +235,6 @@ def _storage_problem(exc: BaseException) -> str:
 
 def _schemas() -> tuple[dict, dict]:
     """(run.json's schema, the run config's schema): the fields `--where` and `--sort` may name."""
-    from .config import json_schema
-
     with open(schema_path(), encoding="utf-8") as f:
         return json.load(f), json_schema()
 

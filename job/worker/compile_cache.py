@@ -15,8 +15,8 @@ from dataclasses import asdict
 
 import torch
 
-from . import storage
-from .config import RunConfig
+from .. import storage
+from ..config import RunConfig
 
 CACHE_DIR = ".compile_cache"
 

@@ -20,13 +20,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as checkpoint_lib
-from . import config as config_lib
-from . import data as data_lib
-from . import evidence, failures
-from . import export as export_lib
-from . import storage, tracking
-from .metrics import is_terminal, progress_style
+from .. import config as config_lib
+from .. import storage
+from ..records import evidence, failures, tracking
+from ..worker import checkpoint as checkpoint_lib
+from ..worker import data as data_lib
+from ..worker import export as export_lib
+from ..worker.architecture import config_fields
+from ..worker.contract import Launcher, LoopConfig
+from ..worker.metrics import is_terminal, progress_style
+from . import watch
 
 # The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
 # driver only launches it, and those imports took ~5 of its ~10 s on 2 cores.
@@ -57,31 +60,6 @@ def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
         if local(value) and os.path.exists(storage.local_path(value)):
             setattr(cfg.model, field, absolute(value))
     return cfg
-
-
-@dataclasses.dataclass
-class LoopConfig:
-    """What the driver (`launch.prepare`) hands every worker's `train_loop`. (Ray Train carries it as a plain
-    dict: `launch.ray_loop_config` and `launch.ray_worker_args` convert it, both ways.)"""
-
-    cfg: config_lib.RunConfig
-    """The resolved run config (local paths made absolute: `launch.resolve_paths`)."""
-    run_dir: str
-    """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
-    started_at: float
-    """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
-    includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
-    startup: dict[str, float] = dataclasses.field(default_factory=dict)
-    """When each startup step ended (epoch seconds, in order): the driver's `imports`, `checks` (config,
-    packages, storage and model), `ray` (Ray connected or started) and `prepare` (data sources checked, run
-    directory ready); then, added in each Ray Train worker, `workers` (Ray Train has started the worker group
-    and entered this worker's loop function)."""
-    tokenizer_json: str | None = None
-    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
-    a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
-    mlflow_run_id: str | None = None
-    """The run's MLflow run (`tracking.start`), which rank 0 logs its metrics to; None without
-    `logging.mlflow.tracking_uri`."""
 
 
 def run_directory(cfg: config_lib.RunConfig) -> str:
@@ -119,8 +97,6 @@ def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
     """Checks the model's config (`model.preset` or `model.path`, with `model.overrides`) against the settings:
     attention heads that divide the hidden size and key/value heads that divide the heads (a model that cannot
     run), and `train.seq_len` within the model's positions."""
-    from .architecture import config_fields
-
     try:
         arch = config_fields(cfg.model)
     except Exception as e:  # no such directory or hub id, no config.json, not JSON
@@ -259,28 +235,6 @@ def _autoscaler_groups() -> list[tuple[dict, int]] | None:
     return [(dict(g.resources), g.max_count) for g in config.node_group_configs]
 
 
-class Launcher:
-    """What the training loop (`train.train_loop`) asks of the launcher that started its process, so that it never
-    asks which launcher that is: the device and process group, how rank 0 shows its progress bar, and the final
-    report. One per worker process, built here (`RayLauncher`, `TorchrunLauncher`)."""
-
-    def setup_device(self, use_gpu: bool) -> torch.device:
-        """This worker's device, with the process group created (before the first collective)."""
-        raise NotImplementedError
-
-    def progress_style(self, setting: str) -> str | None:
-        """`metrics.progress_style` for `logging.progress_bar` `setting`, on the stream the bar is drawn on."""
-        raise NotImplementedError
-
-    def report(self, metrics: dict) -> None:
-        """Tells the launcher the worker's last metrics, once the run is complete."""
-
-    def preempted(self) -> bool:
-        """Whether this worker was asked to stop for a preemption: a SIGTERM to its process
-        (`failures.catch_preemption`); a flag read, cheap enough for any step."""
-        return failures.preemption_signalled()
-
-
 class RayLauncher(Launcher):
     """A Ray Train worker: Ray Train has created the process group and chosen the device; the driver draws the
     progress bar that rank 0 reports."""
@@ -351,7 +305,7 @@ def ray_train_loop(train_loop_config: dict) -> None:
     """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`."""
     loop_config, launcher = ray_worker_args(train_loop_config)
     loop_config.startup["workers"] = time.time()  # Ray Train's part ends here; the training code's imports follow
-    from .train import train_loop
+    from ..worker.train import train_loop
 
     try:
         train_loop(loop_config, launcher)
@@ -386,10 +340,10 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
     this_attempt = attempt(cfg, loop_config.started_at)  # for a failure before rank 0 opened the record
     try:
         trainer.fit()
-    except KeyboardInterrupt as e:  # SIGINT/SIGTERM to the driver (failures.driver_watch)
+    except KeyboardInterrupt as e:  # SIGINT/SIGTERM to the driver (watch.driver_watch)
         # Closed first (a pod's grace period may be short), then the workers stopped; `driver_watch` closes it
         # again should rank 0 have rewritten it (at start or in `build`) before it was stopped.
-        cancelled = failures.as_cancelled(e)
+        cancelled = watch.as_cancelled(e)
         evidence.close_if_running(loop_config.run_dir, "cancelled", cancelled, attempt=this_attempt)
         print(f"{cancelled}: stopping the workers", flush=True)
         abort(trainer)
@@ -447,7 +401,7 @@ def abort(trainer, timeout_s: float = 15.0) -> None:
 
 def trainer_class(base: type) -> type:
     """`base` (Ray's `TorchTrainer`) without Ray Train's placement-group cleaner, keeping its controller's handle
-    (`controller`, for `abort`) instead of installing Ray Train's SIGINT handler: `failures.driver_watch` handles
+    (`controller`, for `abort`) instead of installing Ray Train's SIGINT handler: `watch.driver_watch` handles
     SIGINT and SIGTERM alike, and Ray's would end the driver with status 0 and the record left running.
 
     The cleaner is a detached actor that polls the state API for the controller actor and removes the worker
@@ -515,7 +469,7 @@ def resume_hint(run_dir: str) -> str:
 
 
 def run_with_torchrun(loop_config: LoopConfig) -> None:
-    from .train import train_loop
+    from ..worker.train import train_loop
 
     try:
         train_loop(loop_config, TorchrunLauncher())

@@ -29,7 +29,7 @@ from .generate import generated_lengths, greedy_generate
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from .config import DataConfig, EvalConfig, RunConfig
+    from ..config import DataConfig, EvalConfig, RunConfig
     from .model import CausalLMWithLoss
 
 # --------------------------------------------------------------------------------------------------------------------

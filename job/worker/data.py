@@ -19,6 +19,9 @@ detection) does not cross documents. Unpacked (`data.packing: false`), each docu
 Batches are drawn from a seeded permutation of blocks, sharded by rank (`rank::world_size`), so a run is
 reproducible and resumable from a step number alone: `micro_batches(..., start=k)` yields exactly what an
 uninterrupted run would have seen from micro-batch k on.
+
+One module past ~500 lines on purpose: the stages above are one pipeline, each feeding the next, and `build` /
+`build_once` run it end to end (cached on the storage); read top to bottom it is the order the data flows in.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from . import packages, storage
-from .config import DataConfig, SourceConfig, TrainConfig, is_hub_source
+from .. import packages, storage
+from ..config import DataConfig, SourceConfig, TrainConfig, is_hub_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

@@ -34,10 +34,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import config as config_lib
+from .. import config as config_lib
+from .. import PACKAGE_DIR
+from .. import storage
 from . import data as data_lib
-from . import storage
 from .data import vocabulary_sha256
+from .generate import greedy_generate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -58,7 +60,7 @@ class AcceptanceProcess:
 
     def __init__(self):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
+            [os.path.dirname(PACKAGE_DIR), os.environ.get("PYTHONPATH", "")])}
         self._stderr = tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen([sys.executable, "-m", "job", "accept", "--wait"], stdin=subprocess.PIPE,
                                       stdout=subprocess.DEVNULL, stderr=self._stderr, env=env, text=True)
@@ -252,7 +254,7 @@ def prepare_acceptance() -> None:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    from . import evaluate, model  # noqa: F401
+    from . import evaluate  # noqa: F401
 
 
 def accept(export_dir: str) -> dict:
@@ -262,8 +264,6 @@ def accept(export_dir: str) -> dict:
     `checkpoint.export_tolerance`; `timings` says where its seconds went."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
-
-    from .generate import greedy_generate
 
     clock = time.perf_counter()
     timings = {}
@@ -347,7 +347,7 @@ def base_with_adapter(export_dir: str, cfg: config_lib.RunConfig, tokenizer: Pre
     `dtype` (training's compute dtype): what any PEFT loader gets, without PEFT (the image has none)."""
     from safetensors.torch import load_file
 
-    from .model import build_causal_lm
+    from .model import build_causal_lm  # the driver imports this module, the model only a worker
 
     with open(os.path.join(export_dir, ADAPTER_CONFIG)) as f:
         adapter = json.load(f)
@@ -367,7 +367,7 @@ def base_with_adapter(export_dir: str, cfg: config_lib.RunConfig, tokenizer: Pre
 def _heldout_loss(lm: PreTrainedModel, cfg: config_lib.RunConfig, blocks: dict[str, torch.Tensor],
                   batch_sizes: list[int], device: torch.device) -> tuple[float, int]:
     """`lm`'s mean loss on the held-out blocks in the final evaluation's micro-batches, and their target count."""
-    from .model import CausalLMWithLoss
+    from .model import CausalLMWithLoss  # the driver imports this module, the model only a worker
 
     model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
     totals = torch.zeros(2, dtype=torch.float64)

@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .. import packages, storage
+from ..config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 from .architecture import hf_config
-from .config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 from .data import IGNORE_INDEX
 from .loss import chunked_cross_entropy
 
@@ -56,8 +57,6 @@ def weights_fingerprint(cfg: ModelConfig) -> dict:
     file and of `config.json` (and the directory's `PROVENANCE.json`, as written by scripts/prepare_model.py);
     for a hub id, the id and revision; for a random init, the architecture source (the seed is in the record)."""
     import json
-
-    from . import storage
 
     if cfg.init == "random":
         return {"init": "random", "preset": cfg.preset, "path": cfg.path, "overrides": cfg.overrides}
@@ -321,8 +320,6 @@ def convert_to_float8(lm: nn.Module, recipe: str) -> list[str]:
     scaling (`rowwise` or `tensorwise`), in place; returns their names. Parameters keep their names, dtypes
     and values (checkpoints, the export and `gathered_copy` see plain linear weights). Call before
     `torch.compile` and sharding: `parallelize` does. Needs `torchao`."""
-    from . import packages
-
     packages.require("torchao", f"parallel.float8: {recipe}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -10,11 +10,8 @@ itself comes from three other modules:
                   for CPU runs.
 * `preflight`   -- the collective benchmark (`run_preflight`, `check_expectations`).
 
-Sections here (top to bottom):
-
-1. Run record       -- `start_record` / `update_record` / `finish_record` write `run.json`;
-                      `load_record`, `read_metrics`, `summarize_metrics`.
-2. Compare          -- `compare_records` / `compare_main` (`python -m job compare A B`).
+Here: `start_record` / `update_record` / `finish_record` write `run.json`; `load_record`, `read_metrics`,
+`summarize_metrics` read it back (`compare` sets two records side by side).
 
 Where they are used: `train.train_loop`, which every worker runs. It calls `nccl.enable_nccl_debug` before
 the first collective (NCCL reads its settings once, when it creates its first communicator), then
@@ -23,11 +20,13 @@ the first collective (NCCL reads its settings once, when it creates its first co
 
 Nothing here needs a GPU, Kubernetes or network access (`s3://` run directories aside): a
 value that cannot be known is `"unknown"` plus a `reason` instead of an exception.
+
+One module past ~500 lines on purpose: every write of `run.json` goes through it, so which attempt's record a
+run keeps (a finished one is not replaced by a later failure) is decided in one place.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import datetime as _dt
@@ -38,9 +37,11 @@ import socket
 import sys
 from typing import Any, Iterable, Mapping
 
-from . import failures, storage
+from .. import storage
+from . import failures
+from . import lease as lease_lib
+from .environment import UNKNOWN, job_sha256, job_version, worker_environment
 from .nccl import describe_transport
-from .environment import UNKNOWN, job_version, worker_environment
 
 RUN_RECORD = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -216,7 +217,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
         "chart": chart_metadata(env),
         "pod": {"name": env.get("POD_NAME") or UNKNOWN, "namespace": env.get("POD_NAMESPACE") or UNKNOWN},
         "image": _image_section(pods, env),
-        "job": {"version": job_version()},
+        "job": {"version": job_version(), "sha256": job_sha256()},
         "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest(),
         "config": config,
         "seed": seed,
@@ -258,13 +259,11 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
 
 
 def _lease(run_dir: str) -> dict | None:
-    """The run lease of the driver that started this attempt (`job/lease.py`), with what it took over; None under
+    """The run lease of the driver that started this attempt (`job/records/lease.py`), with what it took over; None under
     a driver that holds none (tests calling the loop directly)."""
-    from .lease import LeaseHeld, read
-
     try:
-        return read(run_dir)
-    except (OSError, LeaseHeld):
+        return lease_lib.read(run_dir)
+    except (OSError, lease_lib.LeaseHeld):
         return None
 
 
@@ -506,6 +505,18 @@ def _last_seen(run_dir: str, started_at: str | None) -> dict:
     return {"steps": steps[-1] if steps else None, "ended_at": ended, "ended_at_from": "last metrics record"}
 
 
+def flatten(value, prefix: str = "") -> dict[str, Any]:
+    """A nested record as dotted keys (`train.lr`); an empty mapping below the top stays, as `{}`."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        if not value and prefix:
+            out[prefix] = {}
+        return out
+    return {prefix: value}
+
+
 def load_record(run_dir: str) -> dict:
     """Read `<run_dir>/run.json`; `FileNotFoundError` naming the path when absent, `ValueError` naming the field
     when it is not a run record or a section has the wrong JSON type (`check_types`)."""
@@ -606,192 +617,3 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
         "peak_mem_gib": max(peaks) if peaks else None,
         "task_eval": tasks,
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Compare two runs
-# ---------------------------------------------------------------------------------------------
-
-# Groups whose differences make two runs' environments "not identical" (exit status 1).
-ENVIRONMENT_GROUPS = ("image", "runtime_env", "packages", "config", "data", "hardware")
-# Config keys that name or place the run rather than define it (job/config.py's RunConfig.name
-# and .storage_path); ignored by default, `--ignore-config` replaces the list.
-DEFAULT_IGNORED_CONFIG = ("name", "storage_path", "run_name", "run.name")
-_RESULT_KEYS = ("method", "lora_rank", "trainable_params", "final_eval_loss", "best_eval_loss", "final_train_loss", "tokens_per_s_per_device",
-                "tokens_per_s", "mfu", "peak_mem_gib", "steps")
-
-
-def _flatten(value, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        if not value and prefix:
-            out[prefix] = {}
-        return out
-    return {prefix: value}
-
-
-def _diff(a: Mapping, b: Mapping, ignore: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
-    ignore = set(ignore)
-    keys = sorted(set(a) | set(b))
-    return [(k, a.get(k), b.get(k)) for k in keys if k not in ignore and a.get(k) != b.get(k)]
-
-
-def _transport_signature(record: dict) -> list[str]:
-    per_rank = (record.get("transport") or {}).get("per_rank") or []
-    return sorted({f"{r.get('backend')}:{r.get('net')}:{'+'.join(r.get('intra_node') or [])}" for r in per_rank})
-
-
-def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_IGNORED_CONFIG) -> dict:
-    """Differences between two run records, grouped.
-
-    Returns `{"image": [...], "runtime_env": [...], "packages": [...], "config": [...], "data": [...],
-    "hardware": [...], "results": [...]}`, each a list of `(key, value_in_a, value_in_b)`.
-    `runtime_env`: what the job asked Ray to add (`requested.*`), whether anything was installed at start
-    and the added packages' versions (`packages.<name>`).
-    Package keys are distribution names (`None` = not installed on that side); config and
-    data keys are dotted paths (the weights' fingerprint counts as data). `results` is informational (losses,
-    throughput, MFU, goodput and seconds per phase) and
-    never makes environments differ; hostnames, times and bandwidth figures are not compared.
-    """
-    img_a, img_b = a.get("image") or {}, b.get("image") or {}
-    hw_a, hw_b = a.get("hardware") or {}, b.get("hardware") or {}
-
-    def hw(record, h):
-        return {"nodes": h.get("nodes"), "world_size": h.get("world_size"),
-                "accelerators": h.get("accelerators"), "driver_versions": h.get("driver_versions"),
-                "cuda_version": h.get("cuda_version"), "nccl_version": h.get("nccl_version"),
-                "transport": _transport_signature(record)}
-
-    def packages(record):
-        out = dict(record.get("packages") or {})
-        out["(python)"] = (record.get("software") or {}).get("python")
-        out["(job)"] = (record.get("job") or {}).get("version")
-        return out
-
-    def runtime_env(record):
-        section = record.get("runtime_env") or {}
-        flat = _flatten({"requested": section.get("requested") or {}, "packages": section.get("packages") or {}})
-        flat["installed_at_start"] = section.get("installed_at_start")
-        return {k: v for k, v in flat.items() if v != {}}
-
-    def config(record):
-        flat = _flatten(record.get("config") or {})
-        flat["(seed)"] = record.get("seed")
-        return flat
-
-    def data(record):
-        d = record.get("data") or {}
-        flat = _flatten(d.get("fingerprint") or {})
-        flat["(tokenizer_sha256)"] = d.get("tokenizer_sha256")
-        weights = {k: v for k, v in (record.get("weights") or {}).items() if k != "provenance"}
-        flat.update({f"(weights).{k}": v for k, v in _flatten(weights).items()})
-        return flat
-
-    def timing(record):
-        t = record.get("time") or {}
-        return {"goodput": t.get("goodput"), "wall_s": t.get("wall_s"),
-                **{f"time.{k}": v for k, v in (t.get("phases_s") or {}).items()},
-                **{f"time.startup.{k}": v for k, v in (t.get("startup_s") or {}).items()}}
-
-    ma, mb = a.get("metrics") or {}, b.get("metrics") or {}
-    results = [(k, ma.get(k), mb.get(k)) for k in _RESULT_KEYS if ma.get(k) != mb.get(k)]
-    results += _diff(timing(a), timing(b))
-    def ending(record):
-        err = record.get("error")
-        return f"{err.get('class')}/{err.get('reason')}" if isinstance(err, dict) else err
-
-    if ending(a) != ending(b):
-        results.insert(0, ("error", ending(a), ending(b)))
-    if a.get("status") != b.get("status"):
-        results.insert(0, ("status", a.get("status"), b.get("status")))
-    return {
-        "image": _diff({"reference": img_a.get("reference"), "digest": img_a.get("digest")},
-                       {"reference": img_b.get("reference"), "digest": img_b.get("digest")}),
-        "runtime_env": _diff(runtime_env(a), runtime_env(b)),
-        "packages": _diff(packages(a), packages(b)),
-        "config": _diff(config(a), config(b), ignore_config),
-        "data": _diff(data(a), data(b)),
-        "hardware": _diff(hw(a, hw_a), hw(b, hw_b)),
-        "results": results,
-    }
-
-
-def _show(value, width: int = 60) -> str:
-    text = "-" if value is None else (value if isinstance(value, str) else json.dumps(value, default=str))
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _delta(a, b) -> str:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        d = b - a
-        pct = f", {d / a * 100:+.1f}%" if a else ""
-        return f"  ({d:+.4g}{pct})"
-    return ""
-
-
-def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -> str:
-    """Concise text of `compare_records` output."""
-    out = []
-    for side, name, record in (("A", name_a, a), ("B", name_b, b)):
-        later = later_attempts_line(record)
-        out.append(f"{side}: {name}  ({record.get('run_name')}, {record.get('status')}{'; ' + later if later else ''})")
-    labels = {"image": "image", "runtime_env": "runtime env", "packages": "packages", "config": "config", "data": "data",
-              "hardware": "hardware/transport", "results": "results"}
-    for group, label in labels.items():
-        rows = diffs[group]
-        if not rows:
-            note = ""
-            if group == "image" and (a.get("image") or {}).get("digest") == UNKNOWN:
-                note = " (digest unknown in both: cannot be verified)"
-            if group != "results":
-                out.append(f"{label}: identical{note}")
-            continue
-        out.append(f"{label}: {len(rows)} differ" if group != "results" else f"{label}:")
-        for key, va, vb in rows:
-            out.append(f"  {key}: {_show(va)} -> {_show(vb)}{_delta(va, vb) if group == 'results' else ''}")
-    differing = [labels[g] for g in ENVIRONMENT_GROUPS if diffs[g]]
-    out.append("verdict: environments differ in " + ", ".join(differing) if differing
-               else "verdict: environments identical")
-    return "\n".join(out)
-
-
-def compare_main(argv: list[str]) -> int:
-    """`python -m job compare RUN_A RUN_B [--storage STORAGE] [--ignore-config KEY ...]`; `argv` excludes "compare".
-
-    Prints the grouped differences. Exit status: 0 environments identical (image, runtime env,
-    packages, config, data, hardware/transport), 1 they differ, 2 bad input (e.g. a missing run.json).
-    """
-    parser = argparse.ArgumentParser(prog="python -m job compare",
-                                     description="Compare the run records (run.json) of two runs.")
-    parser.add_argument("run_a", help="run directory (local or s3://) holding run.json, or with --storage a run name")
-    parser.add_argument("run_b")
-    parser.add_argument("--storage", help="storage path whose runs bare names are (python -m job runs STORAGE lists them)")
-    parser.add_argument("--ignore-config", action="append", default=None, metavar="KEY",
-                        help=f"dotted config key to ignore (default: {', '.join(DEFAULT_IGNORED_CONFIG)})")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return 2 if exc.code else 0
-    from .runs import RunsError, resolve_run  # runs imports this module
-
-    records = []
-    try:
-        args.run_a, args.run_b = (resolve_run(arg, args.storage) for arg in (args.run_a, args.run_b))
-    except RunsError as exc:
-        print(f"compare: {exc}", file=sys.stderr)
-        return 2
-    for path in (args.run_a, args.run_b):
-        try:
-            records.append(load_record(path))
-        except FileNotFoundError as exc:
-            print(f"compare: {exc}", file=sys.stderr)
-            return 2
-        except (OSError, ValueError) as exc:
-            print(f"compare: cannot read {storage.join(path, RUN_RECORD)}: {exc}", file=sys.stderr)
-            return 2
-    ignore = DEFAULT_IGNORED_CONFIG if args.ignore_config is None else tuple(args.ignore_config)
-    diffs = compare_records(records[0], records[1], ignore_config=ignore)
-    print(format_comparison(diffs, records[0], records[1], args.run_a, args.run_b))
-    return 1 if any(diffs[g] for g in ENVIRONMENT_GROUPS) else 0

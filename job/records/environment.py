@@ -12,7 +12,7 @@ inventory; `evidence` writes it into the run record.
 
 from __future__ import annotations
 
-import importlib
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -27,6 +27,8 @@ import sysconfig
 import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any, Mapping
+
+from .. import PACKAGE_DIR, __version__
 
 if TYPE_CHECKING:
     import torch
@@ -112,12 +114,31 @@ def runtime_env_additions(runtime_env: Mapping | None = None, *, site_packages: 
 
 
 def job_version() -> str:
-    """`job.__version__` of the package this module belongs to, or `"unknown"`."""
-    try:
-        pkg = importlib.import_module(__package__) if __package__ else None
-    except ImportError:
-        pkg = None
-    return str(getattr(pkg, "__version__", UNKNOWN))
+    """`job.__version__`: the chart's version, which ships it."""
+    return __version__
+
+
+JOB_FILE_SUFFIXES = (".py", ".json")
+"""The job package's files: the chart ships these and nothing else."""
+
+
+def job_sha256(package_dir: str = PACKAGE_DIR) -> str:
+    """sha256 of the job package's files as this process imports them: over one `<file's sha256>  <path>` line
+    per file, sorted by its path from the package's parent (`job/worker/train.py`), which is what
+    `find job -type f \\( -name '*.py' -o -name '*.json' \\) | LC_ALL=C sort | xargs sha256sum | sha256sum` prints
+    in a checkout. Symbolic links are followed and names starting with "." skipped: a ConfigMap mount is links into
+    the kubelet's own `..data` and timestamped directories."""
+    root = os.path.dirname(package_dir)
+    lines = []
+    for here, dirs, files in os.walk(package_dir, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            if name.endswith(JOB_FILE_SUFFIXES) and not name.startswith("."):
+                path = os.path.join(here, name)
+                with open(path, "rb") as f:
+                    lines.append((os.path.relpath(path, root), hashlib.sha256(f.read()).hexdigest()))
+    manifest = "".join(f"{digest}  {path}\n" for path, digest in sorted(lines))
+    return hashlib.sha256(manifest.encode()).hexdigest()
 
 
 def _nvidia_driver() -> tuple[str, str]:

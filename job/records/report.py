@@ -1,5 +1,5 @@
 """Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`, or `report --storage STORAGE NAME` for a run
-of the index (`job/runs.py`).
+of the index (`job/records/runs.py`).
 
 Reads `run.json` (the run record, see `evidence.py`) and `metrics.jsonl` from the run
 directory (local or `s3://`) and writes, into `--out` (default: the run directory when it
@@ -22,7 +22,8 @@ import os
 import sys
 from typing import Any
 
-from . import evidence, failures, runs, storage
+from .. import storage
+from . import evidence, failures, runs
 
 # Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
@@ -75,7 +76,7 @@ def _method(summary: dict) -> str:
 
 def config_highlights(config: dict, limit: int = 16) -> list[tuple[str, Any]]:
     """Leaf values of the config whose key looks important (model, lr, batch, steps, ...)."""
-    flat = evidence._flatten(config or {})
+    flat = evidence.flatten(config or {})
     chosen = [(k, v) for k, v in flat.items()
               if any(w in k.rsplit(".", 1)[-1].lower() for w in _HIGHLIGHT_WORDS)]
     if not chosen:
@@ -245,7 +246,7 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
 
     data = rec.get("data") or {}
     lines += ["## Data", "", f"- tokenizer sha256: {_fmt(data.get('tokenizer_sha256'))}"]
-    fingerprint = evidence._flatten(data.get("fingerprint") or {})
+    fingerprint = evidence.flatten(data.get("fingerprint") or {})
     lines += [f"- `{k}`: {_fmt(v)}" for k, v in fingerprint.items()] or ["- fingerprint: -"]
     lines.append("")
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from . import storage
+from .. import storage
 
 # Dense (no sparsity) bf16 tensor-core peak per device, FLOP/s, from the vendors' datasheets. Matched by
 # substring of `torch.cuda.get_device_name()`, first match wins (so "H100 PCIe" precedes "H100").
@@ -55,7 +55,7 @@ def progress_style(setting: str, terminal: bool, via_ray_driver: bool) -> str | 
     """How rank 0 shows its progress bar (`logging.progress_bar`): `tqdm`, drawn by this process on its stderr;
     `ray` (`via_ray_driver`), `ray.experimental.tqdm_ray`, whose state the worker prints and the Ray driver draws
     (a Ray worker's stderr is a log file, never a terminal); or None. `auto` shows it when the stream it would be
-    drawn on is a `terminal` (the launcher knows which stream that is: `launch.Launcher.progress_style`);
+    drawn on is a `terminal` (the launcher knows which stream that is: `contract.Launcher.progress_style`);
     redirected output gets no bar redraws."""
     if setting == "off" or (setting == "auto" and not terminal):
         return None
@@ -213,7 +213,7 @@ class Timeline:
     start and worker scheduling count too. Whatever no phase covers (the record, the logger, clean-up) is `other`.
 
     `startup` is split by `steps` (when each startup step ended, epoch seconds, in order: the driver's, then
-    `workers`, Ray Train starting the worker group, `launch.LoopConfig.startup`) into those steps,
+    `workers`, Ray Train starting the worker group, `contract.LoopConfig.startup`) into those steps,
     `worker_imports` (from the last step to this worker's loop: the training code's imports, the device) and
     `preflight` (what the loop times as `startup` itself: the first collectives).
     """

@@ -26,8 +26,9 @@ import sys
 import tempfile
 import time
 
-from . import config as config_lib
-from . import evidence, packages, storage
+from .. import config as config_lib
+from .. import packages, storage
+from . import evidence, report
 
 RUN_FILE = "mlflow.json"
 """In the run directory: `{"tracking_uri", "experiment_id", "run_id"}` of the run's MLflow run."""
@@ -62,7 +63,7 @@ def start(cfg: config_lib.RunConfig, run_dir: str) -> str:
             cfg.logging.mlflow.experiment)
         run_id = client.create_run(experiment_id, run_name=cfg.name, tags={"run_dir": run_dir}).info.run_id
         params = [Param(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
-                  for k, v in evidence._flatten(config_lib.to_dict(cfg)).items()]
+                  for k, v in evidence.flatten(config_lib.to_dict(cfg)).items()]
         for i in range(0, len(params), 100):  # MLflow's batch limit
             client.log_batch(run_id, params=params[i:i + 100])
     except Exception as e:  # requests' connection errors, MlflowException (bad URI, server errors)
@@ -115,9 +116,7 @@ def finish(tracking_uri: str, run_dir: str, run_id: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(tmp, evidence.RUN_RECORD), "w") as f:
                 json.dump(record, f, indent=2, default=str)
-            from .report import main as report_main
-
-            report_main([run_dir, "--out", tmp, "--no-plots"])
+            report.main([run_dir, "--out", tmp, "--no-plots"])
             for name in (evidence.RUN_RECORD, "report.md"):
                 client.log_artifact(run_id, os.path.join(tmp, name))
         status = END_STATUS.get(record.get("status"), "FAILED")

@@ -2,7 +2,7 @@
 
 The driver (`python -m job`; under torchrun, rank 0) takes the lease right after checking that the run directory
 is writable and before it writes anything else there (config.yaml, the record, checkpoints), and holds it until it
-exits (`hold`). A second driver of the same run directory -- a RayJob retry while the old driver still runs, a
+exits (`watch.hold`). A second driver of the same run directory -- a RayJob retry while the old driver still runs, a
 second release on the same claim, a local run beside the cluster's -- is refused (`LeaseHeld`) with one line
 naming the holder and how to take over from a dead one.
 
@@ -28,7 +28,8 @@ import os
 import socket
 import uuid
 
-from . import failures, storage
+from .. import storage
+from . import failures
 
 LEASE_FILE = "lease.json"
 
@@ -139,29 +140,3 @@ def release(run_dir: str, lease: dict) -> None:
     with contextlib.suppress(LeaseHeld):
         if (read(run_dir) or {}).get("id") == lease["id"]:
             storage.remove(_path(run_dir))
-
-
-@contextlib.contextmanager
-def hold(run_dir: str):
-    """The driver's hold on the run: takes the lease (`LeaseHeld` if another driver has it), closes a record its
-    dead holder left running (`evidence.abandon_stale`, before this driver's heartbeat replaces the dead one's),
-    renews it with the heartbeat while the body runs, and releases it after the final heartbeat."""
-    from . import evidence
-
-    lease = acquire(run_dir)
-    if lease["took_over"]:
-        print(f"took over the stale lease of {describe(lease['took_over'])}: {lease['took_over']['stale']}",
-              flush=True)
-    try:
-        if (abandoned := evidence.abandon_stale(run_dir)) is not None:
-            print(f"run.json of the attempt started at {abandoned['started_at']} was still running, its driver's "
-                  f"heartbeat stale: marked abandoned ({abandoned['error']['message']})", flush=True)
-        heartbeat = failures.Heartbeat(run_dir, lease=lease["id"]).start()
-    except BaseException:
-        release(run_dir, lease)
-        raise
-    try:
-        yield lease
-    finally:
-        heartbeat.stop()
-        release(run_dir, lease)

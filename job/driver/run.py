@@ -1,0 +1,123 @@
+"""`python -m job [run]`: check the config, the optional packages it needs, the storage, the model's settings and
+(under Ray) whether the cluster can place the workers, printing every problem found (one line each, naming the
+field) and exiting 2 before any worker starts; then hold the run's lease, prepare the run directory, train under
+Ray Train (or under torchrun when started by it), and end with the verdict of a failed run or where the run is."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import sys
+import time
+
+from .. import config as config_lib
+from .. import packages, storage
+from ..records import evidence, failures
+from ..records import lease as lease_lib
+from ..worker import checkpoint as checkpoint_lib
+from ..worker import data as data_lib
+from . import launch, watch
+
+
+def run(args: argparse.Namespace, started_at: float, imported_at: float) -> int:
+    """`python -m job [run]` with its parsed arguments (`--config`, `--set`); `started_at` is when the driver
+    started, `imported_at` when its imports ended (the first steps of the run's time accounting)."""
+    with contextlib.ExitStack() as held:  # the run lease, from the storage check to the last line
+        return _run(args, started_at, imported_at, held)
+
+
+def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: contextlib.ExitStack) -> int:
+    cfg = recordable = None  # the run directory, once its lease is held: a refusal from there on is recorded
+    try:
+        cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
+        packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
+        run_dir = launch.run_directory(cfg)
+        launch.check_before_start(cfg, run_dir)
+        if os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 holds it for all its processes
+            held.enter_context(watch.hold(run_dir))
+        recordable = run_dir
+        # When each of the driver's startup steps ended (metrics.Timeline).
+        startup = {"imports": imported_at, "checks": time.time()}
+        if launch.under_torchrun():
+            launch.run_with_torchrun(launch.prepare(cfg, run_dir, started_at, startup))
+            return 0
+        print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
+        if (done := launch.finished(cfg, run_dir)) is not None:
+            print(done, flush=True)
+            return 0
+        launch.connect_ray(cfg)
+        startup["ray"] = time.time()
+        loop_config = launch.prepare(cfg, run_dir, started_at, startup)
+    except config_lib.ConfigError as e:
+        for message in e.messages:
+            print(f"config error: {message}", file=sys.stderr)
+        _record_refusal(cfg, recordable, e)
+        return 2
+    except packages.MissingPackage as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except lease_lib.LeaseHeld as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 2
+    except checkpoint_lib.CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        _record_refusal(cfg, recordable, e)
+        return 1
+    except data_lib.DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        _record_refusal(cfg, recordable, e)
+        return 2
+    try:
+        # SIGINT/SIGTERM stop the run (`cancelled`); a record left running closed on an exception.
+        with watch.driver_watch(run_dir):
+            error = launch.run_with_ray(cfg, loop_config)
+    except failures.Cancelled as e:
+        _verdict(run_dir, "cancelled", str(e), loop_config)
+        return failures.exit_status(e)
+    finally:
+        launch.finish_tracking(loop_config)
+    if error:
+        _verdict(run_dir, "failed", error, loop_config)
+        return 1
+    print(f"run directory: {run_dir}", flush=True)
+    return 0
+
+
+def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
+    """Ends Ray's output (its log forwarding stops with the connection), then prints the verdict
+    (`failures.verdict`) as the driver's last lines, on stderr: what a person reads first in a log. With the Ray
+    cluster gone the connection is left as it is: Ray ends the process once it cannot reach its cluster, and
+    disconnecting only waits for that."""
+    try:
+        record = evidence.load_latest(run_dir)
+    except (OSError, ValueError):
+        record = {}
+    if (record.get("error") or {}).get("reason") != "cluster_lost":  # a lost cluster: Ray's own exit is fatal
+        launch.disconnect_ray()
+    logs_dir = failures.attempt_logs(run_dir, loop_config.started_at)
+    try:
+        fs, path = storage.filesystem(logs_dir)
+        logs = sorted(storage.join(logs_dir, p.rstrip("/").rsplit("/", 1)[-1]) for p in fs.ls(path, detail=False))
+    except (OSError, ValueError):
+        logs = []
+    command = "python -m job " + shlex.join(sys.argv[1:])
+    print(failures.verdict(run_dir, record.get("status") or status, record.get("error"), error, command, logs),
+          file=sys.stderr, flush=True)
+
+
+def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> None:
+    """A run refused once the driver holds its lease (a bad data row, a refused resume, a worker group the
+    cluster cannot place) gets a `failed` record of this attempt, written by the driver (rank 0 of torchrun's
+    processes): beside the run's record when that holds finished work, listed in its `later_attempts`
+    (`evidence.start_record`), so the run stays what it was. Refused before that (the config, the packages, the
+    storage itself, the model's settings, the lease), there is nowhere to write one: the exit status and the
+    message are the whole record."""
+    if run_dir is None or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        # No worker started, so no record is this attempt's: any there is an earlier one's, whenever it opened.
+        evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, time.time()))
+    except Exception as e:  # the refusal's message is already out; a record that cannot be written must not hide it
+        print(f"cannot record the failure in {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -1,0 +1,77 @@
+"""The driver's watch over its run: the run lease held from the storage check to the last line (`hold`), and
+SIGINT/SIGTERM turned into `Cancelled` while it waits on the workers (`driver_watch`): both close a record left
+running, so they sit above the run record (`records.evidence`) rather than in the modules they use."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+from ..records import evidence, failures
+from ..records import lease as lease_lib
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_received: list[int] = []  # the stop signals this process received (driver_watch's handler)
+
+
+@contextlib.contextmanager
+def hold(run_dir: str):
+    """The driver's hold on the run: takes the lease (`LeaseHeld` if another driver has it), closes a record its
+    dead holder left running (`evidence.abandon_stale`, before this driver's heartbeat replaces the dead one's),
+    renews it with the heartbeat while the body runs, and releases it after the final heartbeat."""
+    lease = lease_lib.acquire(run_dir)
+    if lease["took_over"]:
+        print(f"took over the stale lease of {lease_lib.describe(lease['took_over'])}: "
+              f"{lease['took_over']['stale']}", flush=True)
+    try:
+        if (abandoned := evidence.abandon_stale(run_dir)) is not None:
+            print(f"run.json of the attempt started at {abandoned['started_at']} was still running, its driver's "
+                  f"heartbeat stale: marked abandoned ({abandoned['error']['message']})", flush=True)
+        heartbeat = failures.Heartbeat(run_dir, lease=lease["id"]).start()
+    except BaseException:
+        lease_lib.release(run_dir, lease)
+        raise
+    try:
+        yield lease
+    finally:
+        heartbeat.stop()
+        lease_lib.release(run_dir, lease)
+
+
+def as_cancelled(exc: KeyboardInterrupt) -> failures.Cancelled:
+    """`exc` as the `Cancelled` of the signal received: Ray's wait re-raises the handler's exception as a plain
+    KeyboardInterrupt (`check_status`), which loses the signal; a bare KeyboardInterrupt is a SIGINT."""
+    if isinstance(exc, failures.Cancelled):
+        return exc
+    return failures.Cancelled(_received[0] if _received else signal.SIGINT)
+
+
+@contextlib.contextmanager
+def driver_watch(run_dir: str):
+    """The driver's watch over a run while it waits on the workers (its heartbeat runs already, renewing the run
+    lease: `hold`): SIGINT/SIGTERM raising `Cancelled` (Ray's own handlers, which exit without closing the
+    record, are put back afterwards). Whatever ends the wait with an exception closes a still-`running` record (`evidence.close_if_running`): `cancelled`
+    for a KeyboardInterrupt (which then propagates as `Cancelled`), else `failed`. A second signal ends the driver at
+    once (the default action)."""
+
+    def stop(signum, frame):
+        _received.append(signum)
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        raise failures.Cancelled(signum)
+
+    main = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
+    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if main else {}
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        cancelled = as_cancelled(exc)
+        evidence.close_if_running(run_dir, "cancelled", cancelled)
+        raise cancelled from None
+    except BaseException as exc:
+        evidence.close_if_running(run_dir, "failed", exc)
+        raise
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

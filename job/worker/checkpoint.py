@@ -1,0 +1,471 @@
+"""What a checkpoint is: its place in the run directory, how it is verified (checksums) and chosen for a resume
+(`find_resume_point`, the run's identity), and how it is read back (`restore`). Saving one while training goes
+on is `checkpoint_writer.py`'s; the faults a drill injects are `faults.py`'s.
+
+Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS path or an `s3://` URI):
+
+    config.yaml                      resolved config that trained the checkpoints (evidence.config_file)
+    lease.json, heartbeat.json       the driver writing the run, while it runs (job/records/lease.py)
+    attempts/<n>/                    config.yaml and run.json of attempts that ran beside a finished record
+    metrics.jsonl                    rank 0's metric records (lines past a resumed step are dropped)
+    checkpoint_00000040/             one checkpoint per saved step, written in place by every rank:
+        .metadata, __<rank>_0.distcp     torch.distributed.checkpoint (model + optimizer, sharded; reshardable)
+        rng/rank00000.pt ...             per-rank RNG states (torch CPU/CUDA, python, numpy)
+        checksums/rank00000.json ...     sha256 and size of each file that rank wrote
+        train_state.json                 step, data position, LR schedule, world size, architecture, run
+                                         identity (tokenizer, data, seq_len, seed, global batch), config
+        _COMPLETE                        written last, by rank 0, after every rank finished: only a directory
+                                         with this marker is a checkpoint (a crash mid-save leaves none)
+        _UNUSABLE                        (only) a complete checkpoint that failed verification on resume
+    export/                          model.safetensors, config.json, tokenizer files, reference.json,
+                                     acceptance.json and the `_VALID` marker once the reload check passed
+    data_cache/<key>.pt              the run's tokenized, packed data, built once (data.build_once)
+    faults/                          markers of injected faults (debug.fail_at_step), so each fires once
+    workers/rank<r>.pid              worker process ids (local storage only; for failure drills)
+
+Beside the runs, `<storage_path>/.compile_cache/<key>.bin` keeps what `torch.compile` built (job/worker/compile_cache.py).
+
+Both launchers run the same code (`checkpoint_writer.Checkpointer`): every rank writes its DCP shards straight
+to the checkpoint directory and lists their checksums, then rank 0 writes `train_state.json` and `_COMPLETE` and
+prunes old checkpoints. A resume (worker-group restart, retried job, re-run) scans the run directory, newest first, for a checkpoint
+whose files all match their checksums. Checkpoints are not reported to Ray Train: its own bookkeeping would
+refuse a restart when a listed checkpoint is gone, and prune without knowing which ones are verified.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import config as config_lib
+from .. import storage
+from . import schedule
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from .model import CausalLMWithLoss
+
+COMPLETE = "_COMPLETE"
+"""Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
+UNUSABLE = "_UNUSABLE"
+"""Marker written into a complete checkpoint that failed verification on resume, with the reason: never used again."""
+CHECKSUMS = "checksums"
+"""Directory of a checkpoint holding `rank<r>.json`: sha256 and size of each file rank r wrote."""
+STATE = "train_state.json"
+PREFIX = "checkpoint_"
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be used (unreadable, incomplete, another model); names the path."""
+
+
+class ResumeRefused(CheckpointError):
+    """The config asks for what the run's checkpoints forbid (`checkpoint.resume`, another model, settings that
+    would not continue the same run): a `config` error (`failures.classify`), not a broken checkpoint."""
+
+
+def step_dir(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
+    """(step, uri, usable) of every `checkpoint_<step>` directory of a run, oldest first; usable: complete
+    (`_COMPLETE`) and not found bad on an earlier resume (`_UNUSABLE`)."""
+    fs, path = storage.filesystem(run_dir)
+    if not fs.exists(path):
+        return []
+    found = []
+    for entry in fs.ls(path, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+            uri = storage.join(run_dir, name)
+            usable = storage.exists(storage.join(uri, COMPLETE)) and not storage.exists(storage.join(uri, UNUSABLE))
+            found.append((int(name[len(PREFIX):]), uri, usable))
+    return sorted(found)
+
+
+def latest_complete(run_dir: str) -> str | None:
+    complete = [uri for _, uri, ok in list_checkpoints(run_dir) if ok]
+    return complete[-1] if complete else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Integrity: content checksums written with every checkpoint, verified before it is loaded
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def write_checksums(uri: str, rank: int) -> None:
+    """Writes `checksums/rank<r>.json` into checkpoint `uri`: sha256 and size of every file this rank wrote
+    (its DCP shards `__<rank>_*.distcp`, rank 0 also `.metadata`, and its RNG file), read back from storage,
+    so the list describes what a resume will read. Call once this rank's files are written, before `_COMPLETE`."""
+    fs, path = storage.filesystem(uri)
+    names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.glob(f"{path}/__{rank}_*.distcp"))
+    if rank == 0:
+        names.append(".metadata")
+    names.append(f"rng/rank{rank:05d}.pt")
+    files = dict(zip(names, storage.digest_all([storage.join(uri, name) for name in names])))
+    missing = [name for name, found in files.items() if found is None]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {uri}: {', '.join(missing)} missing right after the write")
+    storage.write_atomic(storage.join(uri, CHECKSUMS, f"rank{rank:05d}.json"),
+                         json.dumps({"rank": rank, "files": files}, indent=1))
+
+
+def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
+    """Checks checkpoint `uri`'s files against the checksums their writers listed; returns the problems found,
+    one per file ("<file> (written by rank <r>): ..."). The lists of writer ranks `rank`, `rank + world`, ...
+    are this caller's share, so `world` ranks verify a checkpoint together, each reading a part of it.
+    Checkpoints of train-state format 1 (before checksums) have nothing to verify."""
+    state = _read_state(uri)
+    if state.get("format", 1) < 2:
+        return []
+    problems = []
+    for writer in range(rank, int(state["world_size"]), world):
+        listing = storage.join(uri, CHECKSUMS, f"rank{writer:05d}.json")
+        try:
+            files = json.loads(storage.read_bytes(listing))["files"]
+        except Exception as e:
+            problems.append(f"{CHECKSUMS}/rank{writer:05d}.json (written by rank {writer}): cannot be read "
+                            f"({type(e).__name__}: {e})")
+            continue
+        found_all = storage.digest_all([storage.join(uri, name) for name in files])
+        for (name, expected), found in zip(files.items(), found_all):
+            if found is None:
+                problems.append(f"{name} (written by rank {writer}): missing")
+            elif found != expected:
+                problems.append(f"{name} (written by rank {writer}): content differs from its checksum "
+                                f"({found['bytes']} bytes, sha256 {found['sha256'][:12]}…; saved "
+                                f"{expected['bytes']} bytes, sha256 {expected['sha256'][:12]}…)")
+    return problems
+
+
+def _read_state(uri: str) -> dict:
+    try:
+        state = json.loads(storage.read_bytes(storage.join(uri, STATE)))
+        state["step"] = int(state["step"])
+        return state
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {uri}: cannot read {STATE}: {type(e).__name__}: {e}") from e
+
+
+def _unusable_reason(uri: str) -> str | None:
+    """Why checkpoint `uri` cannot be resumed from, or None (collective: the checksum verification is shared
+    among the ranks and every rank gets the same answer)."""
+    problems = []
+    if not storage.exists(storage.join(uri, COMPLETE)):
+        problems.append(f"incomplete (no {COMPLETE} marker: the save was interrupted)")
+    elif storage.exists(storage.join(uri, UNUSABLE)):
+        marker = json.loads(storage.read_bytes(storage.join(uri, UNUSABLE)))
+        problems.append(f"found unusable by an earlier resume: {marker['reason']}")
+    else:
+        try:
+            problems += verify(uri, dist.get_rank(), dist.get_world_size())
+        except CheckpointError as e:
+            problems.append(str(e).removeprefix(f"checkpoint {uri}: "))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problems)
+    unique = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
+    return "; ".join(unique) or None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Resume policy
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
+    """Driver-side check of `checkpoint.resume` before anything is written: `never` refuses a run name that
+    already has checkpoints; an explicit checkpoint must exist and be complete."""
+    policy = cfg.checkpoint.resume
+    if policy == "never":
+        existing = [uri for _, uri, _ in list_checkpoints(run_dir)]
+        if existing or storage.exists(storage.join(run_dir, RAY_SNAPSHOT)):
+            raise ResumeRefused(
+                f"checkpoint.resume: never, but run {run_dir} already has checkpoints "
+                f"({', '.join(existing) or RAY_SNAPSHOT}); choose a new run name, delete the run directory, "
+                "or set checkpoint.resume: auto to continue it"
+            )
+    elif policy != "auto" and latest_complete(run_dir) is None:
+        # An explicit start point matters only while the run has no checkpoint of its own.
+        if not storage.exists(policy):
+            raise ResumeRefused(f"checkpoint.resume: no checkpoint at {policy}")
+        if not storage.exists(storage.join(policy, COMPLETE)):
+            raise ResumeRefused(f"checkpoint {policy}: incomplete (no {COMPLETE} marker; the save was interrupted)")
+
+
+def retire_ray_snapshot(run_dir: str) -> bool:
+    """Deletes Ray Train's checkpoint list left by an earlier version of this job, which reported checkpoints
+    to Ray: Ray would refuse to start when a checkpoint it lists is gone, and would prune by its own list.
+    Checkpoints are now found, verified and pruned here alone, from the run directory. True if there was one."""
+    snapshot = storage.join(run_dir, RAY_SNAPSHOT)
+    if not storage.exists(snapshot):
+        return False
+    storage.remove(snapshot)
+    return True
+
+
+def find_resume_point(cfg: config_lib.RunConfig, run_dir: str) -> tuple[str | None, list[dict]]:
+    """The checkpoint this worker group starts from (None: from scratch) and the checkpoints skipped as
+    unusable, newest first, each `{"checkpoint", "step", "reason"}` (collective: every rank calls it).
+
+    One rule for every launcher and every restart (a worker-group restart, a retried job, a re-run of the same
+    name): the run's checkpoint directories are tried newest first, and the first usable one wins: complete,
+    its train state readable and every file matching its checksum (each rank verifies a share). A newer one
+    that is not usable is skipped, and the caller records it and why (`metrics.jsonl` resume record,
+    `run.json` `resumed_from`); a complete one found corrupt is also marked `_UNUSABLE`, so later prunes
+    delete it and later resumes skip it without reading it again. When the run has complete checkpoints but
+    none is usable, `CheckpointError` lists each and why: a run that saved progress never starts from scratch
+    silently. Only a run without a complete checkpoint of its own starts from an explicit `resume` URI.
+    """
+    skipped = []
+    entries = list_checkpoints(run_dir)
+    for step, uri, _ in reversed(entries):
+        reason = _unusable_reason(uri)
+        if reason is None:
+            return uri, skipped
+        skipped.append({"checkpoint": uri, "step": step, "reason": reason})
+        complete = storage.exists(storage.join(uri, COMPLETE))
+        if complete and not storage.exists(storage.join(uri, UNUSABLE)) and dist.get_rank() == 0:
+            storage.write_atomic(storage.join(uri, UNUSABLE), json.dumps({"reason": reason, "time": time.time()}))
+    if any(storage.exists(storage.join(s["checkpoint"], COMPLETE)) for s in skipped):
+        listing = "; ".join(f"{s['checkpoint']}: {s['reason']}" for s in skipped)
+        raise CheckpointError(
+            f"run {run_dir} has checkpoints, but none can be resumed from ({listing}). To start this run over, "
+            f"delete its checkpoints (rm -r {storage.join(run_dir, PREFIX)}*) or choose a new run name")
+    policy = cfg.checkpoint.resume
+    if policy in ("auto", "never"):
+        return None, skipped
+    reason = _unusable_reason(policy) if storage.exists(policy) else "no checkpoint there"
+    if reason is not None:
+        raise CheckpointError(f"checkpoint.resume: {policy}: {reason}")
+    return policy, skipped
+
+
+def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> dict:
+    """What makes a resumed run the same run as the one that saved the checkpoint (see `check_identity`):
+    the tokenizer and the data read (source hashes, revisions and row counts; paths left out, so a moved copy
+    of the same files matches), and the settings that decide which tokens each step trains on."""
+    def content(value):
+        if isinstance(value, dict):
+            return {k: content(v) for k, v in value.items() if k not in ("source", "path")}
+        return [content(v) for v in value] if isinstance(value, list) else value
+
+    data = {k: content(fingerprint.get(k)) for k in ("format", "train", "validation", "packing")}
+    return {
+        "tokenizer": storage.json_sha256(fingerprint.get("tokenizer")),
+        "data": storage.json_sha256(data),
+        "seq_len": cfg.train.seq_len,
+        "seed": cfg.train.seed,
+        "global_batch": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world,
+    }
+
+
+IDENTITY_FIELDS = {"tokenizer": "tokenizer", "data": "data", "seq_len": "train.seq_len", "seed": "train.seed",
+                   "global_batch": "global batch (train.micro_batch_size x train.grad_accum_steps x workers)"}
+"""Each `run_identity` key and the setting it is named by in a refusal."""
+ADAPTER_FIELDS = {"lora": "model.lora (rank, alpha, targets)", "base": "the frozen base weights (model.path)"}
+"""`adapter_identity`'s keys: a LoRA checkpoint holds adapters of one base, never resumed onto another, nor by
+a full fine-tune (or the other way round); no `allow_changes` lifts these."""
+
+
+def adapter_identity(cfg: config_lib.RunConfig, base_fingerprint: dict) -> dict:
+    """The identity keys of a LoRA run (`run_identity`'s, added): the adapters' shape and the sha256 of the base
+    weights' fingerprint (`model.weights_fingerprint`: each weight file's sha256, or the random init's source,
+    whose seed `run_identity` holds)."""
+    lora = cfg.model.lora
+    return {"lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.targets)},
+            "base": storage.json_sha256(base_fingerprint)}
+
+
+def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) -> None:
+    """Refuses (`CheckpointError`, naming each field) to resume a checkpoint whose run differs from this one
+    in anything of `run_identity` not listed in `checkpoint.allow_changes`. For a checkpoint saved without an
+    identity (train-state format 1) the settings come from its config; tokenizer and data cannot be compared."""
+    saved = dict(state.get("identity") or {})
+    if not saved:
+        c = state["config"]["train"]
+        saved = {"seq_len": c["seq_len"], "seed": c["seed"],
+                 "global_batch": c["micro_batch_size"] * c["grad_accum_steps"] * state["world_size"]}
+    adapters = [key for key in ADAPTER_FIELDS if saved.get(key) != identity.get(key)]
+    if adapters:
+        detail = "; ".join(f"{ADAPTER_FIELDS[k]}: checkpoint {_identity_value(saved.get(k))}, now "
+                           f"{_identity_value(identity.get(k))}" for k in adapters)
+        raise ResumeRefused(f"checkpoint {uri}: holds what another model trains ({detail}). Restore model.path "
+                            "and model.lora, or start a new run name")
+    differ = [key for key in IDENTITY_FIELDS if key in saved and saved[key] != identity[key] and key not in allowed]
+    if differ:
+        detail = "; ".join(
+            f"{IDENTITY_FIELDS[k]}: checkpoint {saved[k]}, now {identity[k]}" if k not in ("tokenizer", "data")
+            else f"{k}: differs (sha256 {saved[k][:12]}… in the checkpoint, {identity[k][:12]}… now)" for k in differ)
+        raise ResumeRefused(
+            f"checkpoint {uri}: would not continue the same run ({detail}). Restore the settings, start a new run "
+            f"name, or, if the change is intended, set checkpoint.allow_changes: [{', '.join(differ)}]")
+
+
+def _identity_value(value) -> str:
+    if value is None:
+        return "none (full fine-tune)"
+    return f"sha256 {value[:12]}…" if isinstance(value, str) else json.dumps(value)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What a checkpoint holds, and reading it back
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _reader(uri: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if storage.is_remote(uri):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(uri)
+    return FileSystemReader(storage.local_path(uri))
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def architecture(lm_config: PretrainedConfig) -> dict:
+    """The model's shape as a checkpoint records it (`ARCH_KEYS`): a resume onto another shape is refused."""
+    return {k: getattr(lm_config, k, None) for k in ARCH_KEYS}
+
+
+def train_state(cfg: config_lib.RunConfig, step: int, world: int, arch: dict, identity: dict) -> dict:
+    """`train_state.json` of the checkpoint of `step`: where the data and the LR schedule stand, the world size,
+    the model's architecture, the run's identity (`run_identity`) and the config, for the resume."""
+    accum, mb = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
+    return {
+        "format": 2,
+        "step": step,
+        "world_size": world,
+        "data": {"micro_batch_index": step * accum, "micro_batch_size": mb, "grad_accum_steps": accum,
+                 "samples_seen": step * accum * mb * world},
+        "lr_schedule": {"kind": schedule.KIND, "step": step, **schedule.settings(cfg.train)},
+        "arch": arch,
+        "identity": identity,
+        "config": config_lib.to_dict(cfg),
+        "saved_at": time.time(),
+    }
+
+
+def trained_state_dicts(model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts of what trains: every parameter in a full fine-tune; with LoRA the
+    adapters alone (megabytes), the frozen base being what `model.path` and the seed give back on resume."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=trained_only(model))
+    return without_frozen(model, model_sd), optim_sd
+
+
+def trained_only(model: CausalLMWithLoss):
+    """DCP's state dict options that leave out frozen parameters (and accept their absence on load)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
+def without_frozen(model: CausalLMWithLoss, model_sd: dict) -> dict:
+    """`model_sd` without what is frozen: DCP's `ignore_frozen_params` keeps a tied weight under its second name
+    (the frozen embedding as `lm_head.weight`)."""
+    from .model import plain_name  # the driver imports this module, the model only a worker
+
+    if all(p.requires_grad for p in model.parameters()):
+        return model_sd
+    trained = {plain_name(name) for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in trained}
+
+
+def prune(run_dir: str, keep_last: int, keep_before: int) -> None:
+    """Deletes what no resume will use: interrupted or unusable saves older than `keep_before` (the step just
+    saved), and all but the newest `keep_last` usable checkpoints up to it. The newest usable one, the
+    checkpoint just saved (its checksums taken from what storage holds), is never deleted."""
+    entries = [(step, uri, ok) for step, uri, ok in list_checkpoints(run_dir) if step <= keep_before]
+    usable = [uri for _, uri, ok in entries if ok]
+    doomed = [uri for step, uri, ok in entries if not ok and step < keep_before] + usable[:-keep_last]
+    for uri in doomed:
+        storage.remove(uri)
+
+
+def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer, cfg: config_lib.RunConfig,
+            identity: dict) -> dict:
+    """Loads a checkpoint (verified by `find_resume_point`) into the sharded model and optimizer (any world
+    size: DCP reshards) and this rank's RNG states; returns its train state. Refuses a checkpoint of another
+    architecture or, per `check_identity`, of another run. Any problem raises `CheckpointError` naming the
+    checkpoint (a failed read names each rank's cause)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _read_state(uri)
+    saved, current = state.get("arch", {}), architecture(model.lm.config)
+    differ = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in differ.items())
+        raise ResumeRefused(f"checkpoint {uri}: saved for another model architecture ({detail})")
+    check_identity(uri, state, identity, cfg.checkpoint.allow_changes)
+    model_sd, optim_sd = trained_state_dicts(model, optimizer)
+    try:
+        dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=_reader(uri))
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
+        raise CheckpointError(f"checkpoint {uri}: cannot be read ({failure_causes(e)})") from e
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=trained_only(model))
+    rng = storage.join(uri, "rng", f"rank{dist.get_rank():05d}.pt")
+    if storage.exists(rng):  # a rank that did not exist before (more workers now) keeps its seeded state
+        try:
+            _set_rng_state(torch.load(io.BytesIO(storage.read_bytes(rng)), weights_only=False))
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {uri}: cannot read {rng}: {type(e).__name__}: {e}") from e
+    return state
+
+
+def failure_causes(error: BaseException) -> str:
+    """Each failed rank's own exception, one line each: DCP's `CheckpointException` prints only the ranks."""
+    def line(exc: BaseException) -> str:
+        text = " ".join(str(exc).split())
+        return f"{type(exc).__name__}: {text[:300]}"
+
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return line(error)
+    return "; ".join(f"rank {rank}: {line(exc)}" for rank, (exc, _trace) in sorted(failures.items()))
+
+
+def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_blocks: int | None) -> tuple[int, bool]:
+    """This run's per-rank micro-batch index to resume at, and whether it continues the data order exactly.
+
+    Same world size and micro-batch size: the saved index (step x accum). Otherwise the global number of
+    samples consumed in the current epoch is divided among the new ranks (`micro_batches` shards each epoch's
+    permutation `rank::world`, so the first k micro-batches of every rank are the permutation's first
+    k x world x batch positions): exact when it divides evenly; each epoch's dropped remainder depends on the
+    world size, so a later epoch boundary may differ by a few blocks.
+    """
+    d, mb = state["data"], cfg.train.micro_batch_size
+    k, w0, mb0 = d["micro_batch_index"], state["world_size"], d["micro_batch_size"]
+    if w0 == world and mb0 == mb:
+        return k, True
+    if n_train_blocks is None:  # synthetic: per-rank random streams, no epochs
+        samples = k * w0 * mb0
+        return samples // (world * mb), samples % (world * mb) == 0
+    per_rank_old, per_rank_new = n_train_blocks // w0 // mb0, n_train_blocks // world // mb
+    epoch, offset = divmod(k, per_rank_old)
+    position = offset * w0 * mb0
+    start = min(position // (world * mb), per_rank_new)
+    return epoch * per_rank_new + start, position % (world * mb) == 0

@@ -1,0 +1,61 @@
+"""The contract between the driver and the training loop: what the driver hands every worker (`LoopConfig`) and
+what the loop asks of the launcher that started its process (`Launcher`). Both sides import it; neither imports
+the other for it (the driver's launchers, `driver/launch.py`, implement `Launcher`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .. import config as config_lib
+from ..records import failures
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """What the driver (`launch.prepare`) hands every worker's `train.train_loop`. (Ray Train carries it as a plain
+    dict: `launch.ray_loop_config` and `launch.ray_worker_args` convert it, both ways.)"""
+
+    cfg: config_lib.RunConfig
+    """The resolved run config (local paths made absolute: `launch.resolve_paths`)."""
+    run_dir: str
+    """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
+    started_at: float
+    """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
+    includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
+    startup: dict[str, float] = dataclasses.field(default_factory=dict)
+    """When each startup step ended (epoch seconds, in order): the driver's `imports`, `checks` (config,
+    packages, storage and model), `ray` (Ray connected or started) and `prepare` (data sources checked, run
+    directory ready); then, added in each Ray Train worker, `workers` (Ray Train has started the worker group
+    and entered this worker's loop function)."""
+    tokenizer_json: str | None = None
+    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), serialised, as the workers may not share
+    a filesystem with the driver; None: the workers load `model.tokenizer` (or `model.path`'s)."""
+    mlflow_run_id: str | None = None
+    """The run's MLflow run (`tracking.start`), which rank 0 logs its metrics to; None without
+    `logging.mlflow.tracking_uri`."""
+
+
+class Launcher:
+    """What the training loop (`train.train_loop`) asks of the launcher that started its process, so that it never
+    asks which launcher that is: the device and process group, how rank 0 shows its progress bar, and the final
+    report. One per worker process, built by the driver (`launch.RayLauncher`, `launch.TorchrunLauncher`)."""
+
+    def setup_device(self, use_gpu: bool) -> torch.device:
+        """This worker's device, with the process group created (before the first collective)."""
+        raise NotImplementedError
+
+    def progress_style(self, setting: str) -> str | None:
+        """`metrics.progress_style` for `logging.progress_bar` `setting`, on the stream the bar is drawn on."""
+        raise NotImplementedError
+
+    def report(self, metrics: dict) -> None:
+        """Tells the launcher the worker's last metrics, once the run is complete."""
+
+    def preempted(self) -> bool:
+        """Whether this worker was asked to stop for a preemption: a SIGTERM to its process
+        (`failures.catch_preemption`); a flag read, cheap enough for any step."""
+        return failures.preemption_signalled()
