@@ -49,7 +49,8 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from job.worker.checkpoint_writer import ALREADY_STAGED, HostStager
+    from job.worker.checkpoint_writer import ALREADY_STAGED
+    from job.worker.staging import HostStager
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tempfile.mktemp()}")
     state = staged_state(args.gib)
