@@ -51,6 +51,14 @@ node_netns_up() {
   rmdir /run/containerd/s /run/containerd/fifo /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd \
     2>/dev/null || true
   if [[ -e /run/netns/$NETNS ]]; then return; fi
+  # One real node per machine: its cgroup root, /run/containerd and /var/log/containers are fixed paths.
+  local other
+  for other in /run/netns/k8s-up-*; do
+    [[ -e $other ]] || continue
+    log "another real node is up (network namespace ${other##*/}); one per machine: stop it with its K8S_STATE" \
+        "(scripts/k8s-up.sh down), or remove the namespace if nothing runs in it"
+    exit 1
+  done
   ip netns add "$NETNS"
   echo "$NETNS" > "$STATE/netns"
   ip -n "$NETNS" link set lo up
