@@ -284,12 +284,14 @@ network_policies_up() {
     "$sa" "$STATE/pki/admin.token" "$STATE/pki/ca.crt" \
     "$BIN/kube-network-policies" --hostname-override "$NODE_NAME" --disable-nri \
     --metrics-bind-address 127.0.0.1:9080 --v=2
+  local np_log=$STATE/logs/network-policies.log
   if wait_for network-policies 60 network_policies_synced && network_policies_table; then
     log "NetworkPolicy enforced (kube-network-policies)"
   else
-    { grep -m1 -A1 "$NP_SYNC_ERROR" "$STATE/logs/network-policies.log" || tail -n 3 "$STATE/logs/network-policies.log"; } |
-      tr -s ' \t\n' ' ' > "$STATE/NETWORK_POLICIES_UNENFORCED"
-    log "NetworkPolicy NOT enforced: kube-network-policies could not load its nftables table: $(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
+    { grep -m1 -A1 "$NP_SYNC_ERROR" "$np_log" || tail -n 3 "$np_log"; } | tr -s ' \t\n' ' ' \
+      > "$STATE/NETWORK_POLICIES_UNENFORCED"
+    log "NetworkPolicy NOT enforced: kube-network-policies could not load its nftables table:" \
+        "$(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
   fi
 }
 

@@ -3,9 +3,9 @@
 `scripts/k8s-up.sh up --real-node` starts the control plane and one real node (containerd + runc, the CNI bridge,
 kubelet, kube-proxy, CoreDNS, the NetworkPolicy controller kube-network-policies) in a network namespace of its own
 (scripts/k8s-node.sh), with the KubeRay operator out of cluster; `scripts/k8s-image.sh import` puts the CPU test
-image (the image set's versions) into the node's containerd. The profile is ci/real-pods-values.yaml: a head and two worker pods, one Ray Train worker each, so gloo
-crosses pods. Each release's claim is a hostPath PersistentVolume under the state dir, so the tests read run.json,
-metrics and checkpoints as the pods wrote them.
+image (the image set's versions) into the node's containerd. The profile is ci/real-pods-values.yaml: a head and
+two worker pods, one Ray Train worker each, so gloo crosses pods. Each release's claim is a hostPath
+PersistentVolume under the state dir, so the tests read run.json, metrics and checkpoints as the pods wrote them.
 
 Opt in with RAY_FINETUNE_REAL_PODS=1 (needs root: network namespaces, mounts, cgroups); otherwise skipped.
 """
@@ -255,7 +255,8 @@ def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
     unenforced = node.state / "NETWORK_POLICIES_UNENFORCED"
     if unenforced.exists():
         pytest.skip(f"NetworkPolicy not enforced on this node: kube-network-policies could not load its nftables "
-                    f"table (this kernel has no nft `queue` expression, CONFIG_NFT_QUEUE): {unenforced.read_text().strip()}")
+                    f"table (docs/chart.md, \"Real pods\": a kernel without CONFIG_NFT_QUEUE): "
+                    f"{unenforced.read_text().strip()}")
     release = "netpol"
     namespace = node.install(release, *PROFILE, "--set", "networkPolicy.enabled=true",
                              "--set-json", 'networkPolicy.extraFrom=[{"ipBlock": {"cidr": "10.244.0.1/32"}}]')
