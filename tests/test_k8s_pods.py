@@ -203,28 +203,29 @@ def test_warm_cluster_runs_two_jobs_one_after_the_other_on_the_same_head(node):
     """`rayCluster.create`: the release's RayCluster outlives its jobs. The chart's RayJob runs first; a second
     RayJob, the chart's with another name and run (`--set name=...` on the entrypoint), runs on the same cluster
     after it, as another team's job would: both SUCCEEDED, on the same head Pod, and neither deletes the cluster."""
-    release = "warm"
+    release, second_run = "warm", "warm-second"
     namespace = node.install(release, *PROFILE, "--set", "rayCluster.create=true")
     (first,) = node.ray("rayjobs", namespace)
-    status = node.wait_for_job_end(namespace)
-    assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
-    (head,) = node.pods(namespace, "ray.io/node-type=head")
-
-    second_run = f"{release}-second"
     second = {"apiVersion": "ray.io/v1", "kind": "RayJob",
               "metadata": {"name": f"{first['metadata']['name']}-2", "labels": first["metadata"]["labels"]},
               "spec": {**first["spec"], "entrypoint": f"{first['spec']['entrypoint']} --set name={second_run}"}}
-    node.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second)
-    status = wait_until("the second RayJob to end", lambda: node.custom.get_namespaced_custom_object(
-        "ray.io", "v1", namespace, "rayjobs", second["metadata"]["name"]).get("status", {}),
-        done=lambda s: s.get("jobDeploymentStatus") in ("Complete", "Failed"), timeout_s=600, interval_s=3)
-    assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
-    assert [p.metadata.uid for p in node.pods(namespace, "ray.io/node-type=head")] == [head.metadata.uid], \
-        "the second job ran on the first one's head"
-    for run in (release, second_run):
-        assert node.record(release, run)["status"] == "succeeded", run
-    node.custom.delete_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second["metadata"]["name"])
-    node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+    try:
+        status = node.wait_for_job_end(namespace)
+        assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+        (head,) = node.pods(namespace, "ray.io/node-type=head")
+        node.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second)
+        status = wait_until("the second RayJob to end", lambda: node.custom.get_namespaced_custom_object(
+            "ray.io", "v1", namespace, "rayjobs", second["metadata"]["name"]).get("status", {}),
+            done=lambda s: s.get("jobDeploymentStatus") in ("Complete", "Failed"), timeout_s=600, interval_s=3)
+        assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+        assert [p.metadata.uid for p in node.pods(namespace, "ray.io/node-type=head")] == [head.metadata.uid], \
+            "the second job ran on the first one's head"
+        for run in (release, second_run):
+            assert node.record(release, run)["status"] == "succeeded", run
+    finally:  # a failure here must not leave the warm cluster holding the node's CPU for the tests after it
+        with contextlib.suppress(client.ApiException):  # not created yet
+            node.custom.delete_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second["metadata"]["name"])
+        node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
     wait_until(f"nothing of {release} left in {namespace}", lambda: node.leftovers(namespace),
                done=lambda left: not left, timeout_s=120)
 
