@@ -1,5 +1,6 @@
 # The real node of `scripts/k8s-up.sh up --real-node` (sourced by it; uses its start, wait_for, log, api):
-# containerd + runc, the CNI bridge, kubelet, kube-proxy and CoreDNS, in a network namespace of their own.
+# containerd + runc, the CNI bridge, kubelet, kube-proxy, CoreDNS and the NetworkPolicy controller, in a network
+# namespace of their own.
 #
 # The host's network namespace is left as it is: no link, address, route or iptables rule is added there. The
 # whole control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) runs inside the node's
@@ -26,14 +27,14 @@ CLUSTER_CIDR=10.244.0.0/16
 SERVICE_CIDR=10.96.0.0/16
 PAUSE_IMAGE=registry.k8s.io/pause:3.10.2
 
-# Debian's containerd, runc, CNI plugins and socat (installed when missing: CI's fresh machine has none of them).
+# Debian's containerd, runc, CNI plugins, socat and nft (installed when missing: CI's fresh machine has none of them).
 node_packages() {
   local missing=() tool
-  for tool in containerd runc ctr socat; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  for tool in containerd runc ctr socat nft; do command -v "$tool" >/dev/null || missing+=("$tool"); done
   [[ -x /usr/lib/cni/bridge ]] || missing+=(cni)
   ((${#missing[@]})) || return 0
-  log "installing containerd, runc, containernetworking-plugins and socat (missing: ${missing[*]})"
-  local packages=(containerd runc containernetworking-plugins socat)
+  log "installing containerd, runc, containernetworking-plugins, socat and nftables (missing: ${missing[*]})"
+  local packages=(containerd runc containernetworking-plugins socat nftables)
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >&2 ||
     { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >&2; }
 }
@@ -50,6 +51,14 @@ node_netns_up() {
   rmdir /run/containerd/s /run/containerd/fifo /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd \
     2>/dev/null || true
   if [[ -e /run/netns/$NETNS ]]; then return; fi
+  # One real node per machine: its cgroup root, /run/containerd and /var/log/containers are fixed paths.
+  local other
+  for other in /run/netns/k8s-up-*; do
+    [[ -e $other ]] || continue
+    log "another real node is up (network namespace ${other##*/}); one per machine: stop it with its K8S_STATE" \
+        "(scripts/k8s-up.sh down), or remove the namespace if nothing runs in it"
+    exit 1
+  done
   ip netns add "$NETNS"
   echo "$NETNS" > "$STATE/netns"
   ip -n "$NETNS" link set lo up
@@ -254,8 +263,41 @@ cmd_node_up() {
   wait_for kubelet 120 node_ready
   wait_for coredns 30 in_node curl -sf http://127.0.0.1:8181/ready
   wait_for kube-proxy 60 in_node curl -sf http://127.0.0.1:10256/healthz
+  network_policies_up
   log "node $NODE_NAME Ready"
 }
+
+# SIG Network's NetworkPolicy controller, kube-network-policies (the one kindnet runs), beside the CNI bridge, which
+# ignores policies: an nftables table `kube-network-policies` sends the first packet of each connection to or from a
+# Pod that a policy selects to an nfqueue, where the controller accepts or drops it. It reads the API only as a Pod
+# does (client-go's in-cluster config: the service-account files at their fixed path), so it runs in a mount
+# namespace of its own with a tmpfs over /run holding them (the admin token; nothing of it reaches the host's
+# mounts). Without the kernel's nft `queue` expression (CONFIG_NFT_QUEUE, absent from this machine's kernel) its
+# table cannot be loaded: policies are then not enforced, which `up` says, and NETWORK_POLICIES_UNENFORCED in the
+# state dir holds the controller's error. (v0.8.0 ignores its --disable-nri: it logs that it found no NRI socket.)
+network_policies_up() {
+  local sa=/run/secrets/kubernetes.io/serviceaccount
+  rm -f "$STATE/NETWORK_POLICIES_UNENFORCED"
+  start network-policies nsenter "--net=/run/netns/$NETNS" unshare --mount --propagation private \
+    env KUBERNETES_SERVICE_HOST=127.0.0.1 KUBERNETES_SERVICE_PORT="$PORT" sh -c \
+    'mount -t tmpfs tmpfs /run && mkdir -p "$0" && cp "$1" "$0/token" && cp "$2" "$0/ca.crt" && shift 2 && exec "$@"' \
+    "$sa" "$STATE/pki/admin.token" "$STATE/pki/ca.crt" \
+    "$BIN/kube-network-policies" --hostname-override "$NODE_NAME" --disable-nri \
+    --metrics-bind-address 127.0.0.1:9080 --v=2
+  local np_log=$STATE/logs/network-policies.log
+  if wait_for network-policies 60 network_policies_synced && network_policies_table; then
+    log "NetworkPolicy enforced (kube-network-policies)"
+  else
+    { grep -m1 -A1 "$NP_SYNC_ERROR" "$np_log" || tail -n 3 "$np_log"; } | tr -s ' \t\n' ' ' \
+      > "$STATE/NETWORK_POLICIES_UNENFORCED"
+    log "NetworkPolicy NOT enforced: kube-network-policies could not load its nftables table:" \
+        "$(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
+  fi
+}
+
+NP_SYNC_ERROR='syncing nftables rules.*error'  # the controller's log line when its table fails to load
+network_policies_table() { in_node nft list table inet kube-network-policies >/dev/null 2>&1; }
+network_policies_synced() { network_policies_table || grep -q "$NP_SYNC_ERROR" "$STATE/logs/network-policies.log"; }
 
 node_ready() {
   api -f "https://127.0.0.1:$PORT/api/v1/nodes/$NODE_NAME" |

@@ -13,8 +13,8 @@
 #        scripts/k8s-up.sh env [--real-node]     print `export KUBECONFIG=...`
 #
 # --real-node: instead of kwok's simulated nodes, one real node (containerd, runc, the CNI bridge, kubelet,
-# kube-proxy, CoreDNS) in a network namespace of its own, with the control plane inside it; only a relay of the
-# API server's port reaches the host's loopback. scripts/k8s-node.sh says how and why.
+# kube-proxy, CoreDNS, the NetworkPolicy controller) in a network namespace of its own, with the control plane
+# inside it; only a relay of the API server's port reaches the host's loopback. scripts/k8s-node.sh says how and why.
 #
 # K8S_CACHE   (default ~/.cache/ray-finetune/k8s): bin/ holds the binaries, images/ the pause image
 # K8S_STATE   (default $K8S_CACHE/state, with --real-node $K8S_CACHE/state-node): certs, keys, token, kubeconfig,
@@ -110,6 +110,7 @@ cmd_build() {
       -ldflags "$strip -X $v.gitVersion=$k8s -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=clean" \
       k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
     build_one coredns "$BIN/coredns" -ldflags "$strip" .
+    build_one kube-network-policies "$BIN/kube-network-policies" -ldflags "$strip" sigs.k8s.io/kube-network-policies/cmd
   fi
   du -sh "$BIN" >&2
   exec {lock}>&-  # the components `up` starts next must not inherit (and hold) the lock
@@ -296,7 +297,7 @@ cmd_down() {
   if [[ -f $STATE/netns ]]; then
     NETNS=$(cat "$STATE/netns")
     drain_node
-    stop kube-proxy kubelet coredns containerd
+    stop network-policies kube-proxy kubelet coredns containerd
   fi
   stop kube-apiserver etcd api-relay-host api-relay-node
   [[ -n ${NETNS:-} ]] && node_cleanup

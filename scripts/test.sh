@@ -16,9 +16,9 @@ trap report EXIT
 
 # The live control plane of tests/test_k8s_live.py is built from source (minutes of CPU when cold): build it in
 # the background beside the Python setup, which mostly downloads; the test module's `up` waits for it (a lock).
-# REAL_PODS=1 adds the real node (kubelet, kube-proxy, CoreDNS; containerd from Debian) to that build and runs
-# tests/test_k8s_pods.py (root only: network namespaces, mounts, cgroups); off by default until it has run
-# reliably in CI.
+# REAL_PODS=1 adds the real node (kubelet, kube-proxy, CoreDNS, kube-network-policies; containerd from Debian) to
+# that build and runs tests/test_k8s_pods.py (root only: network namespaces, mounts, cgroups); off by default: on a
+# cold 2-core machine it would add about 40 min to CI's ~55 (docs/chart.md "Real pods" has the arithmetic).
 build_log=${K8S_CACHE:-$HOME/.cache/ray-finetune/k8s}/build.log
 mkdir -p "$(dirname "$build_log")"
 real_node=()

@@ -1,17 +1,18 @@
 """The chart's job in real Pods: `helm install` to SUCCEEDED on a real kubelet, asserting on what the run wrote.
 
 `scripts/k8s-up.sh up --real-node` starts the control plane and one real node (containerd + runc, the CNI bridge,
-kubelet, kube-proxy, CoreDNS) in a network namespace of its own (scripts/k8s-node.sh), with the KubeRay operator out
-of cluster; `scripts/k8s-image.sh import` puts the CPU test image (the image set's versions) into the node's
-containerd. The profile is ci/real-pods-values.yaml: a head and two worker pods, one Ray Train worker each, so gloo
-crosses pods. Each release's claim is a hostPath PersistentVolume under the state dir, so the tests read run.json,
-metrics and checkpoints as the pods wrote them.
+kubelet, kube-proxy, CoreDNS, the NetworkPolicy controller kube-network-policies) in a network namespace of its own
+(scripts/k8s-node.sh), with the KubeRay operator out of cluster; `scripts/k8s-image.sh import` puts the CPU test
+image (the image set's versions) into the node's containerd. The profile is ci/real-pods-values.yaml: a head and
+two worker pods, one Ray Train worker each, so gloo crosses pods. Each release's claim is a hostPath
+PersistentVolume under the state dir, so the tests read run.json, metrics and checkpoints as the pods wrote them.
 
 Opt in with RAY_FINETUNE_REAL_PODS=1 (needs root: network namespaces, mounts, cgroups); otherwise skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -43,11 +44,12 @@ class Node(ControlPlane):
     def volume(self, namespace: str, claim: str) -> Path:
         return self.state / "volumes" / f"pv-{namespace}-{claim}"[:63]
 
-    def run_dir(self, release: str) -> Path:
-        return self.volume(f"t-{release}", f"{release}-ray-finetune-runs") / release
+    def run_dir(self, release: str, run: str | None = None) -> Path:
+        """The directory of `run` (default: the release's own, named after it) on the release's claim."""
+        return self.volume(f"t-{release}", f"{release}-ray-finetune-runs") / (run or release)
 
-    def record(self, release: str) -> dict:
-        return json.loads((self.run_dir(release) / "run.json").read_text())
+    def record(self, release: str, run: str | None = None) -> dict:
+        return json.loads((self.run_dir(release, run) / "run.json").read_text())
 
     def metrics(self, release: str, kind: str) -> list[dict]:
         path = self.run_dir(release) / "metrics.jsonl"
@@ -57,6 +59,10 @@ class Node(ControlPlane):
     def job_status(self, namespace: str) -> dict:
         jobs = self.ray("rayjobs", namespace)
         return jobs[0].get("status", {}) if jobs else {}
+
+    def log(self, pod: str, namespace: str) -> str:
+        """A Pod's log as it is (the client's default decoding turns a log that parses as JSON into a repr)."""
+        return self.core.read_namespaced_pod_log(pod, namespace, _preload_content=False).data.decode()
 
     def containers(self) -> list[str]:
         """The node's containers, as containerd has them (the CRI's namespace)."""
@@ -144,6 +150,26 @@ def test_helm_test_passes_against_the_finished_run(node, finished):
     assert '"status": "succeeded"' in result.stdout, "the test Pod prints the run's run.json"
 
 
+def test_upgrade_of_a_finished_run_replaces_the_rayjob_which_finds_the_run_complete(node, finished):
+    """docs/chart.md "RayJob name and upgrades": `helm upgrade` with a changed value is a new RayJob (the old one and
+    its cluster deleted) for the same run name; docs/checkpoints.md: a finished run is not trained again, its driver
+    says so and exits 0, so the new RayJob SUCCEEDED and the run's record is left as it was."""
+    release, namespace, _ = finished
+    (before,) = node.ray("rayjobs", namespace)
+    record_before = node.record(release)
+    node.install(release, "--set", "run.train.lr=1.0e-3", upgrade=True)
+    (after,) = wait_until("the old RayJob gone and one new one", lambda: node.ray("rayjobs", namespace),
+                          done=lambda jobs: len(jobs) == 1 and jobs[0]["metadata"]["uid"] != before["metadata"]["uid"])
+    assert after["metadata"]["name"] != before["metadata"]["name"], "a changed value is a new RayJob name"
+    status = node.wait_for_job_end(namespace)
+    assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+    (submitter,) = [p for p in node.pods(namespace, f"batch.kubernetes.io/job-name={after['metadata']['name']}")
+                    if p.status.phase == "Succeeded"]
+    log = node.log(submitter.metadata.name, namespace)
+    assert f"/{release} is already complete" in log and "Nothing to train" in log, log[-3000:]
+    assert node.record(release) == record_before, "the finished run's record untouched"
+
+
 def test_uninstall_leaves_no_pod_container_or_job(node, finished):
     release, namespace, _ = finished
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
@@ -173,28 +199,120 @@ def test_a_deleted_worker_pod_is_survived_by_resuming(node):
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
-@pytest.mark.skip(reason="not yet seen passing: on its one run (2026-12-06) the head, deleted with its 120 s grace "
-                         "period, outlived the 400 steps and the job SUCCEEDED before it went; now deleted at once, "
-                         "with more steps, and unrun")
+def test_warm_cluster_runs_two_jobs_one_after_the_other_on_the_same_head(node):
+    """`rayCluster.create`: the release's RayCluster outlives its jobs. The chart's RayJob runs first; a second
+    RayJob, the chart's with another name and run (`--set name=...` on the entrypoint), runs on the same cluster
+    after it, as another team's job would: both SUCCEEDED, on the same head Pod, and neither deletes the cluster."""
+    release, second_run = "warm", "warm-second"
+    namespace = node.install(release, *PROFILE, "--set", "rayCluster.create=true")
+    (first,) = node.ray("rayjobs", namespace)
+    second = {"apiVersion": "ray.io/v1", "kind": "RayJob",
+              "metadata": {"name": f"{first['metadata']['name']}-2", "labels": first["metadata"]["labels"]},
+              "spec": {**first["spec"], "entrypoint": f"{first['spec']['entrypoint']} --set name={second_run}"}}
+    try:
+        status = node.wait_for_job_end(namespace)
+        assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+        (head,) = node.pods(namespace, "ray.io/node-type=head")
+        node.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second)
+        status = wait_until("the second RayJob to end", lambda: node.custom.get_namespaced_custom_object(
+            "ray.io", "v1", namespace, "rayjobs", second["metadata"]["name"]).get("status", {}),
+            done=lambda s: s.get("jobDeploymentStatus") in ("Complete", "Failed"), timeout_s=600, interval_s=3)
+        assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+        assert [p.metadata.uid for p in node.pods(namespace, "ray.io/node-type=head")] == [head.metadata.uid], \
+            "the second job ran on the first one's head"
+        for run in (release, second_run):
+            assert node.record(release, run)["status"] == "succeeded", run
+    finally:  # a failure here must not leave the warm cluster holding the node's CPU for the tests after it
+        with contextlib.suppress(client.ApiException):  # not created yet
+            node.custom.delete_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second["metadata"]["name"])
+        node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+    wait_until(f"nothing of {release} left in {namespace}", lambda: node.leftovers(namespace),
+               done=lambda left: not left, timeout_s=120)
+
+
+# Connects to each of the head's Ray ports and prints `<port> connected|refused|timed out` per port.
+REACH = """
+import socket, sys
+host, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+def reach(port):
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return "connected"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "timed out"
+for port in ports:
+    print(port, reach(port))
+"""
+HEAD_PORTS = {"6379": "GCS", "8265": "dashboard"}
+
+
+def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
+    """The chart's NetworkPolicy, enforced by kube-network-policies: a Pod outside the release cannot open the head's
+    GCS or dashboard port (job submission: code execution with the release's token and claim), while the release's
+    own Pods still form the cluster and the run SUCCEEDs. The operator, out of cluster, reaches the dashboard through
+    the API server, whose connections come from the node's bridge address: `networkPolicy.extraFrom` admits it."""
+    unenforced = node.state / "NETWORK_POLICIES_UNENFORCED"
+    if unenforced.exists():
+        pytest.skip(f"NetworkPolicy not enforced on this node: kube-network-policies could not load its nftables "
+                    f"table (docs/chart.md, \"Real pods\": a kernel without CONFIG_NFT_QUEUE): "
+                    f"{unenforced.read_text().strip()}")
+    release = "netpol"
+    namespace = node.install(release, *PROFILE, "--set", "networkPolicy.enabled=true",
+                             "--set-json", 'networkPolicy.extraFrom=[{"ipBlock": {"cidr": "10.244.0.1/32"}}]')
+    outsider = "outsider"
+    try:
+        head = wait_until("the head Pod Ready", lambda: [
+            p for p in node.pods(namespace, "ray.io/node-type=head")
+            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or ())],
+            timeout_s=300, interval_s=2)[0]
+        node.core.create_namespace({"metadata": {"name": outsider}})
+        node.core.create_namespaced_pod(outsider, {"metadata": {"name": "probe"}, "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "probe", "image": IMAGE_REF, "imagePullPolicy": "Never",
+                            "command": ["python", "-c", REACH, head.status.pod_ip, *HEAD_PORTS],
+                            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}}}]}})
+        wait_until("the probe Pod to end", lambda: node.core.read_namespaced_pod("probe", outsider).status.phase,
+                   done=lambda phase: phase in ("Succeeded", "Failed"), timeout_s=120, interval_s=2)
+        reached = dict(line.split(" ", 1) for line in node.log("probe", outsider).splitlines())
+        assert reached == {port: "timed out" for port in HEAD_PORTS}, f"{reached} ({HEAD_PORTS})"
+        status = node.wait_for_job_end(namespace)
+        assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+    finally:  # a failure here must not leave the node's CPU taken for the tests after it
+        with contextlib.suppress(client.ApiException):  # not created yet
+            node.core.delete_namespace(outsider)
+        node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+
+
 def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
-    """The head Pod deleted mid-run: the Ray cluster's state (GCS, the job) goes with it. With `rayJob.backoffLimit:
-    1`, KubeRay retries the RayJob (a new cluster), whose driver resumes the same run from its last checkpoint."""
+    """The head Pod deleted mid-run, as a crash (grace period 0): the Ray cluster's state (GCS, the job) and the
+    driver go with it. Deleted once the run has a complete checkpoint on the claim, with steps enough left that the
+    attempt's workers, alive until their raylets lose the GCS (seconds), cannot finish the run. With
+    `rayJob.backoffLimit: 1` KubeRay's retry resumes the same run from its newest complete checkpoint, and the
+    RayJob ends SUCCEEDED."""
     release, steps = "head", 2000
     namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={steps}",
-                             "--set", "run.checkpoint.every_steps=10", "--set", f"run.eval.every_steps={steps}",
+                             "--set", "run.checkpoint.every_steps=20", "--set", f"run.eval.every_steps={steps}",
                              "--set", "rayJob.backoffLimit=1")
     saved = wait_until("a complete checkpoint", lambda: node.metrics(release, "checkpoint"),
                        timeout_s=600, interval_s=1)
     (head,) = node.pods(namespace, "ray.io/node-type=head")
-    node.core.delete_namespaced_pod(head.metadata.name, namespace, grace_period_seconds=0)  # as a crash
+    (cluster,) = node.ray("rayclusters", namespace)
+    node.core.delete_namespaced_pod(head.metadata.name, namespace, grace_period_seconds=0)
     status = node.wait_for_job_end(namespace, timeout_s=1200)
-    print(f"RayJob after the head's deletion: {status}")
     assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+    # KubeRay (docs/chart.md "RayJob name and upgrades"): the submitter Job's in-place resubmission is refused by
+    # the run lease (the dead driver's heartbeat is fresh), the RayJob fails once and its retry runs on a new cluster.
+    (retry_cluster,) = node.ray("rayclusters", namespace)
+    assert status.get("failed") == 1 and retry_cluster["metadata"]["name"] != cluster["metadata"]["name"], status
     record = node.record(release)
     assert record["status"] == "succeeded" and record["run_name"] == release
+    (first,) = record["previous_attempts"]
+    assert (first["status"], first["error"]["reason"]) == ("abandoned", "driver_lost"), first
     (resume,) = node.metrics(release, "resume")
-    assert resume["step"] >= saved[0]["step"], resume
-    assert record["previous_attempts"], "the first attempt's record kept beside the retry's"
+    assert saved[0]["step"] <= resume["step"] < steps, (saved[0], resume)
+    assert record["extra"]["resumed_from"]["step"] == resume["step"] and record["extra"]["resumed_from"]["data_exact"]
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
