@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the job package, also in the spawned rows
+from checkpoint_write import training_thread_rate  # noqa: E402  (bench/, the script's own folder)
 
 HIDDEN, INTER, LAYERS, KV, VOCAB = 1536, 8960, 28, 256, 151936
 CHUNK = 64 << 20
@@ -97,24 +98,16 @@ def timed(fn) -> float:
 
 
 def steps_rate(kind: str, seconds: float | None = None, until=None) -> float:
-    """Training-like iterations per second: `launch` (28 small layers, host-bound like a step's launches) or `gpu`
-    (large bf16 GEMMs, the device busy)."""
+    """Training-like iterations per second (`checkpoint_write.training_thread_rate`, bf16) for `seconds` or while
+    `until` (a thread or process) is alive: `launch` (28 small layers, host-bound like a step's launches) or `gpu`
+    (large GEMMs, the device busy)."""
     width, batch = (256, 8) if kind == "launch" else (4096, 8192)
     model = steps_rate.models.get(kind)
     if model is None:
         model = steps_rate.models[kind] = torch.nn.Sequential(
             *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(28 if kind == "launch" else 4)]
         ).cuda().to(torch.bfloat16)
-    x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
-    n, start = 0, time.perf_counter()
-    while (until is not None and until()) or (seconds is not None and time.perf_counter() - start < seconds):
-        model(x).float().sum().backward()
-        for p in model.parameters():
-            p.data.add_(p.grad, alpha=-1e-6)
-            p.grad = None
-        torch.cuda.synchronize()
-        n += 1
-    return n / (time.perf_counter() - start)
+    return training_thread_rate(model, torch.randn(batch, width, device="cuda", dtype=torch.bfloat16), seconds, until)
 
 
 steps_rate.models = {}
@@ -162,13 +155,13 @@ def row(name: str, shapes, scale: float) -> dict:
                 worker = mp.get_context("spawn").Process(target=fault_in_process, args=(shapes,))
                 start = time.perf_counter()
                 worker.start()
-                rate = steps_rate(kind, until=worker.is_alive)
+                rate = steps_rate(kind, until=worker)
                 took = time.perf_counter() - start
             else:
                 thread = threading.Thread(target=prepare, args=(shapes, how))
                 start = time.perf_counter()
                 thread.start()
-                rate = steps_rate(kind, until=thread.is_alive)
+                rate = steps_rate(kind, until=thread)
                 took = time.perf_counter() - start
             out[f"{kind}_s"] = round(took, 2)
             out[f"{kind}_rate_vs_alone"] = round(rate / alone, 3)
