@@ -273,11 +273,17 @@ cmd_node_up() {
 # does (client-go's in-cluster config: the service-account files at their fixed path), so it runs in a mount
 # namespace of its own with a tmpfs over /run holding them (the admin token; nothing of it reaches the host's
 # mounts). Without the kernel's nft `queue` expression (CONFIG_NFT_QUEUE, absent from this machine's kernel) its
-# table cannot be loaded: policies are then not enforced, which `up` says, and NETWORK_POLICIES_UNENFORCED in the
-# state dir holds the controller's error. (v0.8.0 ignores its --disable-nri: it logs that it found no NRI socket.)
+# table cannot be loaded: the controller is then neither built nor started, policies are not enforced, which `up`
+# says, and NETWORK_POLICIES_UNENFORCED in the state dir holds why (nft's error, or the controller's if its own
+# table fails). (v0.8.0 ignores its --disable-nri: it logs that it found no NRI socket.)
 network_policies_up() {
-  local sa=/run/secrets/kubernetes.io/serviceaccount
+  local sa=/run/secrets/kubernetes.io/serviceaccount why
   rm -f "$STATE/NETWORK_POLICIES_UNENFORCED"
+  if why=$(nft_queue_missing); then
+    echo "kube-network-policies not started: $why" > "$STATE/NETWORK_POLICIES_UNENFORCED"
+    log "NetworkPolicy NOT enforced: $(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
+    return 0
+  fi
   start network-policies nsenter "--net=/run/netns/$NETNS" unshare --mount --propagation private \
     env KUBERNETES_SERVICE_HOST=127.0.0.1 KUBERNETES_SERVICE_PORT="$PORT" sh -c \
     'mount -t tmpfs tmpfs /run && mkdir -p "$0" && cp "$1" "$0/token" && cp "$2" "$0/ca.crt" && shift 2 && exec "$@"' \
@@ -293,6 +299,17 @@ network_policies_up() {
     log "NetworkPolicy NOT enforced: kube-network-policies could not load its nftables table:" \
         "$(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
   fi
+}
+
+# Prints why this kernel cannot run the controller's rules and succeeds, or fails when it can: a table with the nft
+# `queue` expression loaded in a network namespace of its own (`unshare --net`: gone when nft exits).
+nft_queue_missing() {
+  local error
+  error=$(unshare --net nft -f - 2>&1 <<'RULES'
+table inet probe { chain c { type filter hook input priority 0; ct state new queue num 100 bypass; }; }
+RULES
+  ) && return 1
+  echo "this kernel has no nft queue expression (CONFIG_NFT_QUEUE), which its rules need: $(echo "$error" | head -n1)"
 }
 
 NP_SYNC_ERROR='syncing nftables rules.*error'  # the controller's log line when its table fails to load

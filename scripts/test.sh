@@ -16,13 +16,20 @@ trap report EXIT
 
 # The live control plane of tests/test_k8s_live.py is built from source (minutes of CPU when cold): build it in
 # the background beside the Python setup, which mostly downloads; the test module's `up` waits for it (a lock).
-# REAL_PODS=1 adds the real node (kubelet, kube-proxy, CoreDNS, kube-network-policies; containerd from Debian) to
-# that build and runs tests/test_k8s_pods.py (root only: network namespaces, mounts, cgroups); off by default: on a
-# cold 2-core machine it would add about 40 min to CI's ~55 (docs/chart.md "Real pods" has the arithmetic).
+# The real-pod tests (tests/test_k8s_pods.py) add the real node to that build (kubelet, kube-proxy, CoreDNS;
+# containerd from Debian) and a CPU test image; they need root (network namespaces, mounts, cgroups).
+# REAL_PODS: auto (default: on as root, off with a line saying so otherwise), 1 (required: fails if not root), 0 (off).
+case "${REAL_PODS:=auto}" in
+  auto) if [[ $EUID == 0 ]]; then REAL_PODS=1
+        else REAL_PODS=0; echo "# real-pod tests off: they need root (network namespaces, mounts, cgroups)"; fi ;;
+  1) [[ $EUID == 0 ]] || { echo "REAL_PODS=1: the real-pod tests need root (network namespaces, mounts, cgroups)" >&2; exit 2; } ;;
+  0) echo "# real-pod tests off (REAL_PODS=0)" ;;
+  *) echo "REAL_PODS must be auto, 1 or 0, got '$REAL_PODS'" >&2; exit 2 ;;
+esac
 build_log=${K8S_CACHE:-$HOME/.cache/ray-finetune/k8s}/build.log
 mkdir -p "$(dirname "$build_log")"
 real_node=()
-if [[ "${REAL_PODS:-0}" == 1 ]]; then real_node=(--real-node); export RAY_FINETUNE_REAL_PODS=1; fi
+if [[ $REAL_PODS == 1 ]]; then real_node=(--real-node); export RAY_FINETUNE_REAL_PODS=1; fi
 ( t0=$SECONDS status=0; bash scripts/k8s-up.sh build "${real_node[@]}" > "$build_log" 2>&1 || status=$?
   echo "# control-plane build (background, $build_log): $((SECONDS - t0)) s (exit $status)" ) &
 
@@ -36,12 +43,13 @@ start_test_image_build() {
 }
 
 leg "setup (.venv, helm)" bash scripts/setup.sh --dev
-# The image set's environment (mostly downloads and unpacking) is made in the background beside the pinned tests.
-if [[ "${IMAGE_SET:-1}" != 0 ]]; then
+# The image set's environment (mostly downloads and unpacking) is made in the background beside the pinned tests;
+# the real-pod tests' image is built from it, so they need it even without the image-set tests.
+if [[ "${IMAGE_SET:-1}" != 0 || $REAL_PODS == 1 ]]; then
   image_log=$(mktemp "${TMPDIR:-/tmp}/setup-image.XXXXXX.log")
   ( t0=$SECONDS status=0; bash scripts/setup.sh --image > "$image_log" 2>&1 || status=$?
     echo "# setup (.venv-image, background): $((SECONDS - t0)) s (exit $status)"
-    [[ $status == 0 && "${REAL_PODS:-0}" == 1 ]] && start_test_image_build
+    [[ $status == 0 && $REAL_PODS == 1 ]] && start_test_image_build
     exit $status ) &
   image_setup=$!
 fi
