@@ -296,10 +296,11 @@ def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
 def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     """The head Pod deleted mid-run, as a crash (grace period 0): the Ray cluster's state (GCS, the job) and the
     driver go with it. Deleted once the run has a complete checkpoint on the claim, with steps enough left that the
-    attempt's workers, alive until their raylets lose the GCS (seconds), cannot finish the run. With
+    attempt's workers, alive until their raylets lose the GCS (4-30 s seen, at ~14 steps/s; Ray gives up on a lost
+    GCS after 60 s), cannot finish the run. With
     `rayJob.backoffLimit: 1` KubeRay's retry resumes the same run from its newest complete checkpoint, and the
     RayJob ends SUCCEEDED."""
-    release, steps = "head", 800
+    release, steps = "head", 1500
     namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={steps}",
                              "--set", "run.checkpoint.every_steps=20", "--set", f"run.eval.every_steps={steps}",
                              "--set", "rayJob.backoffLimit=1")
@@ -317,7 +318,9 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     record = node.record(release)
     assert record["status"] == "succeeded" and record["run_name"] == release
     (first,) = record["previous_attempts"]
-    assert (first["status"], first["error"]["reason"]) == ("abandoned", "driver_lost"), first
+    # The attempt's workers die together (the retry finds the record `running`: abandoned, driver_lost) or one
+    # first, and rank 0 records its peer's gloo connection error (failed).
+    assert (first["status"], first["error"]["reason"]) in {("abandoned", "driver_lost"), ("failed", "exception")}, first
     (resume,) = node.metrics(release, "resume")
     assert saved[0]["step"] <= resume["step"] < steps, (saved[0], resume)
     assert record["extra"]["resumed_from"]["step"] == resume["step"] and record["extra"]["resumed_from"]["data_exact"]
