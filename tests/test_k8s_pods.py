@@ -296,8 +296,8 @@ def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
 def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     """The head Pod deleted mid-run, as a crash (grace period 0): the Ray cluster's state (GCS, the job) and the
     driver go with it. Deleted once the run has a complete checkpoint on the claim, with steps enough left that the
-    attempt's workers, alive until their raylets lose the GCS (4-30 s seen, at ~14 steps/s; Ray gives up on a lost
-    GCS after 60 s), cannot finish the run. With
+    attempt's workers, alive until their raylets give up on the GCS (4-30 s seen, at ~14 steps/s; Ray's
+    `gcs_rpc_server_reconnect_timeout_s` is 60 s), cannot finish the run. With
     `rayJob.backoffLimit: 1` KubeRay's retry resumes the same run from its newest complete checkpoint, and the
     RayJob ends SUCCEEDED."""
     release, steps = "head", 1500
