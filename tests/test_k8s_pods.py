@@ -161,7 +161,7 @@ def test_install_runs_the_job_to_success_across_two_worker_pods(node, finished):
 
 def test_a_deleted_worker_pod_is_survived_by_resuming(node, finished):
     """The fixture's worker Pod deleted mid-run: KubeRay replaces the Pod, Ray Train (scaling.max_failures: 1)
-    restarts the worker group on it, and the run resumes from its last complete checkpoint in the same attempt;
+    restarts the worker group on it, and the run resumes from its last complete checkpoint in the same RayJob;
     the record's workers are the restarted group's."""
     assert finished.victim not in finished.workers, "the deleted worker Pod replaced"
     record = node.record(finished.release)
