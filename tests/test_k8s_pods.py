@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from chart_helpers import REPO
@@ -27,7 +28,8 @@ UP = REPO / "scripts" / "k8s-up.sh"
 IMAGE = REPO / "scripts" / "k8s-image.sh"
 PROFILE = ("-f", str(REPO / "ci" / "real-pods-values.yaml"), "-f", str(REPO / "ci" / "real-pods-image.yaml"))
 IMAGE_REF = "localhost/ray-finetune-test:image-set"
-STEPS = 12
+# The main release's steps: enough that a worker Pod deleted after its first checkpoint dies mid-run.
+STEPS = 400
 
 pytestmark = pytest.mark.skipif(os.environ.get("RAY_FINETUNE_REAL_PODS") != "1",
                                 reason="real Pods need root and the test image: set RAY_FINETUNE_REAL_PODS=1")
@@ -117,34 +119,59 @@ def node(tmp_path_factory, helm_home) -> Node:
         print(down.stderr)
 
 
+class Finished(NamedTuple):
+    release: str
+    namespace: str
+    victim: str  # the worker Pod deleted mid-run
+    saved: dict  # the first complete checkpoint, before which the victim was not deleted
+    workers: set[str]  # the worker Pods Running at the end
+
+
 @pytest.fixture(scope="module")
-def finished(node) -> tuple[str, str, set[str]]:
-    """One release of the profile run to its end: (release, namespace, its worker Pods' names)."""
+def finished(node) -> Finished:
+    """One release of the profile run to its end, a worker Pod deleted (`kubectl delete pod`) once the run has a
+    complete checkpoint: enough steps that the run cannot end before, so one cluster start serves the install, the
+    worker's loss, `helm test`, the upgrade and the uninstall."""
     release = "run"
-    namespace = node.install(release, *PROFILE)
-    workers = wait_until("two worker Pods Running", lambda: {
-        p.metadata.name for p in node.pods(namespace, "ray.io/node-type=worker") if p.status.phase == "Running"},
-        done=lambda names: len(names) == 2, timeout_s=300, interval_s=2)
+    namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={STEPS}",
+                             "--set", "run.checkpoint.every_steps=10", "--set", f"run.eval.every_steps={STEPS}")
+    saved = wait_until("a complete checkpoint", lambda: node.metrics(release, "checkpoint"),
+                       timeout_s=600, interval_s=1)[0]
+    victim = node.pods(namespace, "ray.io/node-type=worker")[0].metadata.name
+    node.core.delete_namespaced_pod(victim, namespace)
     status = node.wait_for_job_end(namespace)
     assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
-    return release, namespace, workers
+    workers = {p.metadata.name for p in node.pods(namespace, "ray.io/node-type=worker")
+               if p.status.phase == "Running" and not p.metadata.deletion_timestamp}
+    return Finished(release, namespace, victim, saved, workers)
 
 
 def test_install_runs_the_job_to_success_across_two_worker_pods(node, finished):
-    release, namespace, workers = finished
-    record = node.record(release)
+    record = node.record(finished.release)
     assert record["status"] == "succeeded", record.get("error")
-    assert {w["hostname"] for w in record["workers"]} == workers, "one training worker in each worker Pod"
+    assert len(finished.workers) == 2 and {w["hostname"] for w in record["workers"]} == finished.workers, \
+        "one training worker in each worker Pod"
     assert record["image"]["reference"] == IMAGE_REF
     assert record["image"]["digest"].startswith("sha256:") and record["image"]["consistent"], record["image"]
-    evals = {r["step"]: r["eval_loss"] for r in node.metrics(release, "eval")}
+    evals = {r["step"]: r["eval_loss"] for r in node.metrics(finished.release, "eval")}
     assert list(evals) == [0, STEPS] and evals[STEPS] < evals[0] - 0.1, evals
     assert record["export"]["ok"], record["export"]
-    assert (node.run_dir(release) / "export" / "_VALID").exists() or record["export"]["export_dir"]
+    assert (node.run_dir(finished.release) / "export" / "_VALID").exists() or record["export"]["export_dir"]
+
+
+def test_a_deleted_worker_pod_is_survived_by_resuming(node, finished):
+    """The fixture's worker Pod deleted mid-run: KubeRay replaces the Pod, Ray Train (scaling.max_failures: 1)
+    restarts the worker group on it, and the run resumes from its last complete checkpoint in the same RayJob;
+    the record's workers are the restarted group's."""
+    assert finished.victim not in finished.workers, "the deleted worker Pod replaced"
+    record = node.record(finished.release)
+    (resume,) = node.metrics(finished.release, "resume")
+    assert resume["step"] >= finished.saved["step"], (finished.saved, resume)
+    assert record["extra"]["resumed_from"]["step"] == resume["step"], record["extra"]
 
 
 def test_helm_test_passes_against_the_finished_run(node, finished):
-    release, namespace, _ = finished
+    release, namespace = finished.release, finished.namespace
     result = node.helm("test", release, "--namespace", namespace, "--logs", "--timeout", "300s", check=False)
     assert result.returncode == 0, result.stderr[-3000:] + node.diagnose(namespace)
     assert '"status": "succeeded"' in result.stdout, "the test Pod prints the run's run.json"
@@ -154,7 +181,7 @@ def test_upgrade_of_a_finished_run_replaces_the_rayjob_which_finds_the_run_compl
     """docs/chart.md "RayJob name and upgrades": `helm upgrade` with a changed value is a new RayJob (the old one and
     its cluster deleted) for the same run name; docs/checkpoints.md: a finished run is not trained again, its driver
     says so and exits 0, so the new RayJob SUCCEEDED and the run's record is left as it was."""
-    release, namespace, _ = finished
+    release, namespace = finished.release, finished.namespace
     (before,) = node.ray("rayjobs", namespace)
     record_before = node.record(release)
     node.install(release, "--set", "run.train.lr=1.0e-3", upgrade=True)
@@ -171,32 +198,13 @@ def test_upgrade_of_a_finished_run_replaces_the_rayjob_which_finds_the_run_compl
 
 
 def test_uninstall_leaves_no_pod_container_or_job(node, finished):
-    release, namespace, _ = finished
+    release, namespace = finished.release, finished.namespace
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
     wait_until(f"nothing of {release} left in {namespace}", lambda: node.leftovers(namespace),
                done=lambda left: not left, timeout_s=120)
     wait_until("no container left on the node", node.containers, done=lambda ids: not ids, timeout_s=150, interval_s=3)
     assert node.core.list_namespaced_persistent_volume_claim(namespace).items, "the runs claim is kept"
     assert (node.run_dir(release) / "run.json").exists(), "and the run on it"
-
-
-def test_a_deleted_worker_pod_is_survived_by_resuming(node):
-    """`kubectl delete pod` of a worker mid-run: Ray Train (scaling.max_failures: 1) restarts the worker group once
-    KubeRay has replaced the Pod, and the run resumes from its last complete checkpoint."""
-    release, steps = "resume", 400
-    namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={steps}",
-                             "--set", "run.checkpoint.every_steps=10", "--set", f"run.eval.every_steps={steps}")
-    saved = wait_until("a complete checkpoint", lambda: node.metrics(release, "checkpoint"),
-                       timeout_s=600, interval_s=1)
-    victim = node.pods(namespace, "ray.io/node-type=worker")[0].metadata.name
-    node.core.delete_namespaced_pod(victim, namespace)
-    status = node.wait_for_job_end(namespace)
-    assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
-    record = node.record(release)
-    assert record["status"] == "succeeded"
-    (resume,) = node.metrics(release, "resume")
-    assert resume["step"] >= saved[0]["step"] and record["extra"]["resumed_from"]["step"] == resume["step"]
-    node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
 def test_warm_cluster_runs_two_jobs_one_after_the_other_on_the_same_head(node):
@@ -288,10 +296,11 @@ def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
 def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     """The head Pod deleted mid-run, as a crash (grace period 0): the Ray cluster's state (GCS, the job) and the
     driver go with it. Deleted once the run has a complete checkpoint on the claim, with steps enough left that the
-    attempt's workers, alive until their raylets lose the GCS (seconds), cannot finish the run. With
+    attempt's workers, alive until their raylets give up on the GCS (4-30 s seen, at ~14 steps/s; Ray's
+    `gcs_rpc_server_reconnect_timeout_s` is 60 s), cannot finish the run. With
     `rayJob.backoffLimit: 1` KubeRay's retry resumes the same run from its newest complete checkpoint, and the
     RayJob ends SUCCEEDED."""
-    release, steps = "head", 2000
+    release, steps = "head", 1500
     namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={steps}",
                              "--set", "run.checkpoint.every_steps=20", "--set", f"run.eval.every_steps={steps}",
                              "--set", "rayJob.backoffLimit=1")
@@ -309,28 +318,31 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     record = node.record(release)
     assert record["status"] == "succeeded" and record["run_name"] == release
     (first,) = record["previous_attempts"]
-    assert (first["status"], first["error"]["reason"]) == ("abandoned", "driver_lost"), first
+    # The attempt's workers die together (the retry finds the record `running`: abandoned, driver_lost) or one
+    # first, and rank 0 records its peer's gloo connection error (failed).
+    assert (first["status"], first["error"]["reason"]) in {("abandoned", "driver_lost"), ("failed", "exception")}, first
     (resume,) = node.metrics(release, "resume")
     assert saved[0]["step"] <= resume["step"] < steps, (saved[0], resume)
     assert record["extra"]["resumed_from"]["step"] == resume["step"] and record["extra"]["resumed_from"]["data_exact"]
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
-@pytest.mark.parametrize("setting, pod_reason", [
-    ("image.tag=no-such-tag", "ErrImageNeverPull"),
-    ("worker.cpu=3", "Unschedulable"),
-], ids=["bad-image-tag", "more-cpu-than-the-node"])
-def test_a_job_that_cannot_start_fails_by_its_deadline_with_a_readable_reason(node, setting, pod_reason):
+def test_a_job_that_cannot_start_fails_by_its_deadline_with_a_readable_reason(node):
     """Neither a missing image nor a request the node cannot hold hangs: the RayJob fails once
-    `rayJob.preRunningDeadlineSeconds` has passed, and the Pods say why."""
-    release = "nostart-" + setting.split("=")[0].split(".")[0]
-    namespace = node.install(release, *PROFILE, "--set", setting, "--set", "rayJob.preRunningDeadlineSeconds=30")
+    `rayJob.preRunningDeadlineSeconds` has passed, and the Pods say why. One release with both: the head's image
+    is not on the node (pull policy Never) and each worker asks more CPU than the node has."""
+    release = "nostart"
+    namespace = node.install(release, *PROFILE, "--set", "image.tag=no-such-tag", "--set", "worker.cpu=3",
+                             "--set", "rayJob.preRunningDeadlineSeconds=30")
     status = node.wait_for_job_end(namespace, timeout_s=240)
-    print(f"RayJob that could not start ({setting}): {status}")
+    print(f"RayJob that could not start: {status}")
     assert (status["jobDeploymentStatus"], status.get("reason")) == ("Failed", "PreRunningDeadlineExceeded"), status
-    reasons = set()
+    reasons = {}
     for pod in node.pods(namespace):
-        reasons |= {c.state.waiting.reason for c in pod.status.container_statuses or () if c.state.waiting}
-        reasons |= {c.reason for c in pod.status.conditions or () if c.reason}
-    assert reasons & set(pod_reason.split("|")), reasons
+        node_type = pod.metadata.labels.get("ray.io/node-type")
+        reasons.setdefault(node_type, set()).update(
+            {c.state.waiting.reason for c in pod.status.container_statuses or () if c.state.waiting},
+            {c.reason for c in pod.status.conditions or () if c.reason})
+    assert "ErrImageNeverPull" in reasons.get("head", ()), reasons
+    assert "Unschedulable" in reasons.get("worker", ()), reasons
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
