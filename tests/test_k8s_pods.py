@@ -7,7 +7,8 @@ image (the image set's versions) into the node's containerd. The profile is ci/r
 two worker pods, one Ray Train worker each, so gloo crosses pods. Each release's claim is a hostPath
 PersistentVolume under the state dir, so the tests read run.json, metrics and checkpoints as the pods wrote them.
 
-Opt in with RAY_FINETUNE_REAL_PODS=1 (needs root: network namespaces, mounts, cgroups); otherwise skipped.
+They need root (network namespaces, mounts, cgroups): scripts/test.sh runs them as root (its REAL_PODS=auto) by
+setting RAY_FINETUNE_REAL_PODS=1; a pytest run without it skips them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ IMAGE_REF = "localhost/ray-finetune-test:image-set"
 STEPS = 400
 
 pytestmark = pytest.mark.skipif(os.environ.get("RAY_FINETUNE_REAL_PODS") != "1",
-                                reason="real Pods need root and the test image: set RAY_FINETUNE_REAL_PODS=1")
+                                reason="real Pods need root: set RAY_FINETUNE_REAL_PODS=1 (scripts/test.sh does as root)")
 
 
 class Node(ControlPlane):
@@ -263,8 +264,7 @@ def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
     the API server, whose connections come from the node's bridge address: `networkPolicy.extraFrom` admits it."""
     unenforced = node.state / "NETWORK_POLICIES_UNENFORCED"
     if unenforced.exists():
-        pytest.skip(f"NetworkPolicy not enforced on this node: kube-network-policies could not load its nftables "
-                    f"table (docs/chart.md, \"Real pods\": a kernel without CONFIG_NFT_QUEUE): "
+        pytest.skip(f"NetworkPolicy not enforced on this node (docs/chart.md, \"Real pods\"): "
                     f"{unenforced.read_text().strip()}")
     release = "netpol"
     namespace = node.install(release, *PROFILE, "--set", "networkPolicy.enabled=true",
