@@ -88,6 +88,17 @@ class Node(ControlPlane):
                 lines.append(f"== {pod.metadata.name}/{container.name} ({pod.status.phase})\n{log}")
         return "\n".join(lines)
 
+    def install_long_run(self, release: str, steps: int, checkpoint_every: int, *args: str) -> tuple[str, dict]:
+        """`helm install` of the profile over `steps` steps, a checkpoint every `checkpoint_every`, held-out loss at
+        the first and last step only; returns once the run has a complete checkpoint on the claim: (namespace, that
+        checkpoint's record), the moment to break something mid-run."""
+        namespace = self.install(release, *PROFILE, "--set", f"run.train.max_steps={steps}",
+                                 "--set", f"run.checkpoint.every_steps={checkpoint_every}",
+                                 "--set", f"run.eval.every_steps={steps}", *args)
+        saved = wait_until("a complete checkpoint", lambda: self.metrics(release, "checkpoint"),
+                           timeout_s=600, interval_s=1)
+        return namespace, saved[0]
+
     def wait_for_job_end(self, namespace: str, timeout_s: float = 900) -> dict:
         try:
             return wait_until("the RayJob to end", lambda: self.job_status(namespace),
@@ -134,10 +145,7 @@ def finished(node) -> Finished:
     complete checkpoint: enough steps that the run cannot end before, so one cluster start serves the install, the
     worker's loss, `helm test`, the upgrade and the uninstall."""
     release = "run"
-    namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={STEPS}",
-                             "--set", "run.checkpoint.every_steps=10", "--set", f"run.eval.every_steps={STEPS}")
-    saved = wait_until("a complete checkpoint", lambda: node.metrics(release, "checkpoint"),
-                       timeout_s=600, interval_s=1)[0]
+    namespace, saved = node.install_long_run(release, STEPS, 10)
     victim = node.pods(namespace, "ray.io/node-type=worker")[0].metadata.name
     node.core.delete_namespaced_pod(victim, namespace)
     status = node.wait_for_job_end(namespace)
@@ -301,11 +309,7 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     `rayJob.backoffLimit: 1` KubeRay's retry resumes the same run from its newest complete checkpoint, and the
     RayJob ends SUCCEEDED."""
     release, steps = "head", 1500
-    namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={steps}",
-                             "--set", "run.checkpoint.every_steps=20", "--set", f"run.eval.every_steps={steps}",
-                             "--set", "rayJob.backoffLimit=1")
-    saved = wait_until("a complete checkpoint", lambda: node.metrics(release, "checkpoint"),
-                       timeout_s=600, interval_s=1)
+    namespace, saved = node.install_long_run(release, steps, 20, "--set", "rayJob.backoffLimit=1")
     (head,) = node.pods(namespace, "ray.io/node-type=head")
     (cluster,) = node.ray("rayclusters", namespace)
     node.core.delete_namespaced_pod(head.metadata.name, namespace, grace_period_seconds=0)
@@ -322,7 +326,7 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     # first, and rank 0 records its peer's gloo connection error (failed).
     assert (first["status"], first["error"]["reason"]) in {("abandoned", "driver_lost"), ("failed", "exception")}, first
     (resume,) = node.metrics(release, "resume")
-    assert saved[0]["step"] <= resume["step"] < steps, (saved[0], resume)
+    assert saved["step"] <= resume["step"] < steps, (saved, resume)
     assert record["extra"]["resumed_from"]["step"] == resume["step"] and record["extra"]["resumed_from"]["data_exact"]
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
