@@ -70,6 +70,14 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
      ("infrastructure", "cluster_lost", "ClusterLost")),
     (_wrapped(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
                            "[127.0.0.1]:41717")), ("infrastructure", "worker_lost", "RuntimeError")),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [10.244.0.7]:48466: Connection "
+                  "reset by peer. This is typically caused by a remote worker hanging or bugs in the application."),
+     ("infrastructure", "worker_lost", "RuntimeError")),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:201] Socket unexpectedly closed [10.244.0.7]:48466"),
+     ("infrastructure", "worker_lost", "RuntimeError")),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:812] Socket closed [10.244.0.7]:48466"),
+     ("infrastructure", "worker_lost", "RuntimeError")),
+    (RuntimeError("HTTP read: Connection reset by peer"), ("unknown", "exception", "RuntimeError")),
     (RuntimeError("NCCL communicator was aborted on rank 1."), ("infrastructure", "nccl", "RuntimeError")),
     (RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE) "
                   "ran for 600022 milliseconds before timing out."), ("infrastructure", "nccl", "RuntimeError")),

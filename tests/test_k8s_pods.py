@@ -323,8 +323,8 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     assert record["status"] == "succeeded" and record["run_name"] == release
     (first,) = record["previous_attempts"]
     # The attempt's workers die together (the retry finds the record `running`: abandoned, driver_lost) or one
-    # first, and rank 0 records its peer's gloo connection error (failed).
-    assert (first["status"], first["error"]["reason"]) in {("abandoned", "driver_lost"), ("failed", "exception")}, first
+    # first, and rank 0 records its peer's gloo connection error (failed, worker_lost).
+    assert (first["status"], first["error"]["reason"]) in {("abandoned", "driver_lost"), ("failed", "worker_lost")}, first
     (resume,) = node.metrics(release, "resume")
     assert saved["step"] <= resume["step"] < steps, (saved, resume)
     assert record["extra"]["resumed_from"]["step"] == resume["step"] and record["extra"]["resumed_from"]["data_exact"]

@@ -136,10 +136,12 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _STORAGE_ERRNOS = {errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
                    errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN, errno.EHOSTUNREACH}
 # (message pattern, reason) for errors torch.distributed raises as plain RuntimeErrors, all `infrastructure`: a
-# peer whose process died, seen by a surviving rank under gloo; NCCL errors, aborted communicators and the
-# watchdog's collective timeouts (`WorkNCCL(...) ran for ... milliseconds before timing out`).
+# peer whose process died, seen by a surviving rank under gloo (gloo's tcp/pair.cc: EOF, a reset connection, or a
+# pair already closed by one of those); NCCL errors, aborted communicators and the watchdog's collective timeouts
+# (`WorkNCCL(...) ran for ... milliseconds before timing out`).
 _BY_MESSAGE = (
-    (re.compile(r"Connection closed by peer"), "worker_lost"),
+    (re.compile(r"Connection closed by peer|Read error \S+: Connection reset by peer|Socket (unexpectedly )?closed \["),
+     "worker_lost"),
     (re.compile(r"NCCL error|NCCL communicator was aborted|WorkNCCL\(.*timing out|ProcessGroupNCCL's watchdog"), "nccl"),
 )
 
