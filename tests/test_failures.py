@@ -98,6 +98,36 @@ def test_classify_from_the_exception_chain(exc, expected):
     assert err["step"] == saved_step and err["rank"] == 1 and err["message"]
 
 
+# Two gloo ranks all-reducing until rank 1 is SIGKILLed; rank 0 prints how `failures.describe` records the error
+# torch.distributed raised on it (gloo says `Read error ...: Connection reset by peer` or `Connection closed by peer`).
+GLOO_PEER_KILLED = """
+import json, os, signal, sys, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=2)
+t = torch.ones(100_000)
+for step in range(1_000_000):
+    try:
+        dist.all_reduce(t)
+    except RuntimeError as e:
+        from job.records import failures
+        print(json.dumps(failures.describe(e, step=step, rank=rank)), flush=True)
+        break
+    if rank == 1 and step == 50:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_gloo_peer_killed_mid_collective_is_worker_lost(tmp_path):
+    """The surviving rank's own error, from a real gloo pair: what rank 0 records when its peer's process dies."""
+    ranks = [subprocess.Popen([sys.executable, "-c", GLOO_PEER_KILLED, str(rank), str(tmp_path / "rendezvous")],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    out, err = ranks[0].communicate(timeout=120)
+    ranks[1].wait(timeout=30)
+    assert ranks[1].returncode == -signal.SIGKILL
+    error = json.loads(out.splitlines()[-1]) if out.strip() else pytest.fail(err[-2000:])
+    assert (error["class"], error["reason"], error["rank"]) == ("infrastructure", "worker_lost", 0), error
+
+
 def test_non_finite_loss_is_the_model():
     from job.worker.train import NonFiniteError
 
