@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jsonschema
@@ -844,6 +845,58 @@ def test_a_live_lease_refuses_a_second_driver_and_a_stale_one_is_taken_over(tmp_
     assert lease_lib.read(run_dir)["id"] == second["id"]
     lease_lib.release(run_dir, second)
     assert lease_lib.read(run_dir) is None
+
+
+def _lease_of_another_host(run_dir: str, beat_age_s: float) -> dict:
+    """A lease held by a driver on another host (a head Pod's), renewed `beat_age_s` ago."""
+    from job.records import lease as lease_lib
+    from job import storage
+
+    at = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=beat_age_s)).isoformat(timespec="seconds")
+    held = {"id": "0" * 32, "host": "old-head-pod", "pid": 475, "pod": "old-head-pod", "started_at": at,
+            "timeout_s": failures.HEARTBEAT_TIMEOUT_S, "took_over": None}
+    storage.write_atomic(storage.join(run_dir, lease_lib.LEASE_FILE), json.dumps(held))
+    storage.write_atomic(storage.join(run_dir, failures.HEARTBEAT_FILE),
+                         json.dumps({"at": at, "pid": 475, "host": "old-head-pod", "final": False, "lease": held["id"]}))
+    return held
+
+
+def test_a_lease_of_another_host_is_watched_taken_over_when_its_heartbeat_stops_refused_when_it_beats(
+        tmp_path, monkeypatch, capsys):
+    """A RayJob retry's driver on a new head, seconds after the old head (and its driver) died: the dead driver's
+    lease still looks live. The new driver watches it: silence until the lease is stale -> taken over; a heartbeat
+    meanwhile (the holder is alive, e.g. a second release on the same claim) -> refused."""
+    from job.records import lease as lease_lib
+
+    monkeypatch.setattr(lease_lib, "WATCH_EVERY_S", 0.2)
+    run_dir = str(tmp_path / "r")
+    os.makedirs(run_dir)
+    dead = _lease_of_another_host(run_dir, failures.HEARTBEAT_TIMEOUT_S - 3)
+    t0 = time.monotonic()
+    mine = lease_lib.acquire(run_dir)
+    assert 1.5 < time.monotonic() - t0 < 10, "waited for the lease to go stale, no longer"
+    assert mine["took_over"]["id"] == dead["id"] and "s old (timeout 60 s)" in mine["took_over"]["stale"], mine
+    assert "waiting up to 60 s for that driver's next heartbeat" in capsys.readouterr().out
+    lease_lib.release(run_dir, mine)
+
+    alive = _lease_of_another_host(run_dir, 1)
+    stop = threading.Event()
+
+    def beat():  # the holder renewing its lease, as failures.Heartbeat does
+        while not stop.wait(0.3):
+            failures.write_heartbeat(run_dir, lease=alive["id"])
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(lease_lib.LeaseHeld) as refused:
+            lease_lib.acquire(run_dir)
+        assert time.monotonic() - t0 < 10, "refused at the holder's next heartbeat, not at the timeout"
+    finally:
+        stop.set()
+        beating.join()
+    assert "host old-head-pod, pid 475" in str(refused.value) and lease_lib.read(run_dir)["id"] == alive["id"]
 
 
 def test_two_drivers_of_one_run_at_once_one_is_refused_before_writing_anything(tmp_path):

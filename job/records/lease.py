@@ -12,7 +12,13 @@ naming the holder and how to take over from a dead one.
   lease it renews. The lease itself is written once and never rewritten.
 * Stale when its heartbeat is older than the lease's `timeout_s` (`failures.HEARTBEAT_TIMEOUT_S`), final (the
   driver's watch ended without a release), or its process is gone from this host; a lease with no heartbeat yet
-  counts from its own `started_at`. A stale lease is taken over: the taker first creates
+  counts from its own `started_at`.
+* Watched when it looks live but its holder is on another host: a driver killed with its pod looks live for up to
+  `timeout_s`, and a RayJob's retry starts its driver on a new head within seconds of the old head's loss. The new
+  driver watches the holder's heartbeat (`await_staleness`): a beat (the holder is alive) refuses it within about
+  one heartbeat interval; silence until the lease is stale lets it take over, at most `timeout_s` after the
+  holder's last beat. A holder on this host is asked directly (its process), never waited for.
+* A stale lease is taken over: the taker first creates
   `.lease-takeover-<id>` exclusively (of two takers one wins), then replaces the lease with its own, which names
   the one it replaced (`took_over`); `evidence.start_record` copies the lease into the run record.
 * Released (deleted) when the driver ends, after its last heartbeat; a driver killed outright leaves it, and the
@@ -26,12 +32,15 @@ import datetime as _dt
 import json
 import os
 import socket
+import time
 import uuid
 
 from .. import storage
 from . import failures
 
 LEASE_FILE = "lease.json"
+WATCH_EVERY_S = 1.0
+"""How often a driver watching a live-looking lease of another host reads the holder's heartbeat again."""
 
 
 class LeaseHeld(RuntimeError):
@@ -79,6 +88,31 @@ def staleness(run_dir: str, lease: dict, now: _dt.datetime | None = None) -> str
     return None
 
 
+def _last_beat(run_dir: str, lease: dict) -> str | None:
+    """When the holder of `lease` last renewed it (None: not yet)."""
+    beat = failures.read_heartbeat(run_dir) or {}
+    return beat.get("at") if beat.get("lease") == lease["id"] else None
+
+
+def await_staleness(run_dir: str, lease: dict) -> str | None:
+    """Watches a live-looking `lease` held from another host until its holder beats again or the lease changes
+    hands (None: look again, or refuse), or until it is stale (why). Bounded by the lease's timeout and one more
+    heartbeat interval, so a holder whose clock runs ahead of ours cannot keep this driver waiting."""
+    timeout = float(lease.get("timeout_s") or failures.HEARTBEAT_TIMEOUT_S)
+    seen = _last_beat(run_dir, lease)
+    print(f"run {run_dir}: its lease is held by {describe(lease)}, last heartbeat {seen or 'none yet'}: waiting up "
+          f"to {timeout:g} s for that driver's next heartbeat (alive: this one is refused) or for the lease to go "
+          "stale (its driver died: this one takes over)", flush=True)
+    deadline = time.monotonic() + timeout + failures.HEARTBEAT_EVERY_S
+    while time.monotonic() < deadline:
+        time.sleep(WATCH_EVERY_S)
+        if (read(run_dir) or {}).get("id") != lease["id"] or _last_beat(run_dir, lease) != seen:
+            return None
+        if why := staleness(run_dir, lease):
+            return why
+    return None
+
+
 def describe(lease: dict) -> str:
     """The holder in a few words: host, pid, pod, when it started."""
     pod = f", pod {lease['pod']}" if lease.get("pod") else ""
@@ -115,7 +149,11 @@ def acquire(run_dir: str) -> dict:
         if current is None:
             continue
         why = staleness(run_dir, current)
+        if why is None and current.get("host") != socket.gethostname():
+            why = await_staleness(run_dir, current)
         if why is None:
+            if (read(run_dir) or {}).get("id") != current["id"]:  # released or taken over while watched
+                continue
             raise _refusal(run_dir, current)
         marker = storage.join(run_dir, f".lease-takeover-{current['id']}")
         if not _create(run_dir, marker, mine):
