@@ -69,6 +69,11 @@ def read(run_dir: str) -> dict | None:
     return lease
 
 
+def _timeout(lease: dict) -> float:
+    """Seconds without a heartbeat after which `lease` is stale."""
+    return float(lease.get("timeout_s") or failures.HEARTBEAT_TIMEOUT_S)
+
+
 def staleness(run_dir: str, lease: dict, now: _dt.datetime | None = None) -> str | None:
     """Why `lease` is stale (its driver gone), or None while it is live."""
     beat = failures.read_heartbeat(run_dir) or {}
@@ -76,7 +81,7 @@ def staleness(run_dir: str, lease: dict, now: _dt.datetime | None = None) -> str
         beat = {"at": lease.get("started_at"), "host": lease.get("host"), "pid": lease.get("pid")}
     if beat.get("final"):
         return f"its driver's last heartbeat at {beat.get('at')} was final"
-    timeout = float(lease.get("timeout_s") or failures.HEARTBEAT_TIMEOUT_S)
+    timeout = _timeout(lease)
     try:
         age = ((now or _now()) - _dt.datetime.fromisoformat(beat["at"])).total_seconds()
     except (KeyError, TypeError, ValueError):
@@ -98,7 +103,7 @@ def await_staleness(run_dir: str, lease: dict) -> str | None:
     """Watches a live-looking `lease` held from another host until its holder beats again or the lease changes
     hands (None: look again, or refuse), or until it is stale (why). Bounded by the lease's timeout and one more
     heartbeat interval, so a holder whose clock runs ahead of ours cannot keep this driver waiting."""
-    timeout = float(lease.get("timeout_s") or failures.HEARTBEAT_TIMEOUT_S)
+    timeout = _timeout(lease)
     seen = _last_beat(run_dir, lease)
     print(f"run {run_dir}: its lease is held by {describe(lease)}, last heartbeat {seen or 'none yet'}: waiting up "
           f"to {timeout:g} s for that driver's next heartbeat (alive: this one is refused) or for the lease to go "
@@ -120,9 +125,8 @@ def describe(lease: dict) -> str:
 
 
 def _refusal(run_dir: str, lease: dict) -> LeaseHeld:
-    beat = failures.read_heartbeat(run_dir) or {}
-    renewed = f", last heartbeat {beat.get('at')}" if beat.get("lease") == lease["id"] else ""
-    timeout = float(lease.get("timeout_s") or failures.HEARTBEAT_TIMEOUT_S)
+    renewed = f", last heartbeat {at}" if (at := _last_beat(run_dir, lease)) else ""
+    timeout = _timeout(lease)
     return LeaseHeld(
         f"run {run_dir} is being written by another driver ({describe(lease)}{renewed}): refused before writing "
         f"anything. If that driver is dead, rerun once its heartbeat is {timeout:g} s old (the lease is then taken "
