@@ -136,7 +136,7 @@ def peer_parser(description: str, steps: int, warmup: int, warmup_help: str) -> 
     """The command line every peer's script (`SCRIPTS`) starts from: the options `run_variant` passes to each
     (`--preset`, `--seq-len`, `--batch`, `--grad-accum`, `--steps`, `--warmup`), and the training settings they
     share. The scripts import it (the repository's root is on their path)."""
-    from job.worker.architecture import PRESETS
+    from job.common.presets import PRESETS
 
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-1.5b")

@@ -49,8 +49,8 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from job.worker.checkpoint_writer import ALREADY_STAGED
-    from job.worker.staging import HostStager
+    from job.worker.checkpoint.staging import HostStager
+    from job.worker.checkpoint.writer import write_in_process
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tempfile.mktemp()}")
     state = staged_state(args.gib)
@@ -66,12 +66,9 @@ def main() -> int:
         os.makedirs(args.dir)
         start = time.perf_counter()
         if writer == "process":
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
             shared = shared or HostStager(pin=torch.cuda.is_available(), shared=True).stage(state)
             start = time.perf_counter()
-            dcp.async_save(shared, storage_writer=storage_writer, async_stager=ALREADY_STAGED,
-                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+            write_in_process(shared, storage_writer)
         else:
             dcp.save(state, storage_writer=storage_writer)
         written = time.perf_counter()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a task-evaluation decode's time goes: job/worker/generate.py's `StaticDecoder` on random Qwen2.5-1.5B weights
+"""Where a task-evaluation decode's time goes: job/worker/evaluation/generate.py's `StaticDecoder` on random Qwen2.5-1.5B weights
 (no pretrained weights or tokenizer needed), left-padded prompts of the given lengths, one table.
 
     python bench/decode_step.py [--lengths PROMPTS.json] [--ends ANSWERS.json] [--batch 1319] [--steps 64]
@@ -11,7 +11,7 @@ graph) for the batch as given, half of it (does a step's time follow the rows?),
 (does it follow the cache's length?) and the full batch on each of SDPA's backends. `--ends`: a JSON list of
 generation lengths (e.g. the reference answers' tokens); random weights never produce EOS, so each row is ended
 after its length instead, and a whole decode of `--max-new` tokens is timed with every row decoded to the end and
-with ended rows dropped (job/worker/generate.py `DROP_ENDED_BELOW`). Then the kernels of `--profile-steps` eager steps.
+with ended rows dropped (job/worker/evaluation/generate.py `DROP_ENDED_BELOW`). Then the kernels of `--profile-steps` eager steps.
 `--compiled`: last, the batch as given with its steps run by the model compiled whole (`torch.compile`, one graph
 for the 28 layers; the prefill eager), the first call's compiling time beside it.
 """
@@ -29,8 +29,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from job.worker import generate  # noqa: E402
-from job.worker.architecture import PRESETS  # noqa: E402
+from job.common.presets import PRESETS  # noqa: E402
+from job.worker.evaluation import generate  # noqa: E402
 
 
 def prompts(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

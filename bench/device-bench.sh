@@ -19,7 +19,7 @@
 #       (default: hf,hf-liger,best-cudnn,best-fp8,hf-liger-b8,best-b8-cudnn,best-b8-fp8), all within BUDGET seconds
 #       (default 450; variants in order, what does not fit is skipped, so the call ends before 8 minutes); the runs
 #       go to /dev/shm when it has room for a checkpoint. Carry .whl (with liger-kernel and torchao).
-#   bench/device-bench.sh lora [VARIANTS]                       ONE GPU (issue 45): the LoRA job end to end (bench/lora-e2e.yaml),
+#   bench/device-bench.sh lora [VARIANTS]                       ONE GPU (issue 45): the LoRA job end to end (examples/lora-e2e.yaml),
 #       then LoRA against the Trainer + peft, the full fine-tune and the 7B shape (docs/lora.md). Carry .whl (with peft).
 #   bench/device-bench.sh issue31 [VARIANTS]                     ONE GPU: issue 31's levers (one GPU without FSDP2, clipping
 #       in the fused step) alone and together against the code before them, beside HF + Liger and torchtitan,
@@ -56,11 +56,11 @@ case "${1:-1gpu}" in
       --only "${2:-hf,hf-liger,best-cudnn,best-fp8,hf-liger-b8,best-b8-cudnn,best-b8-fp8}" >"$out/issue19.log" 2>&1
     echo "exit $? ${workdir[*]}"; grep -v '^{' "$out/issue19.log" | tail -n 10 ;;
   lora)
-    # ONE GPU (issue 45, docs/lora.md): the LoRA job end to end on the 1.5B shape (bench/lora-e2e.yaml: 30 steps,
+    # ONE GPU (issue 45, docs/lora.md): the LoRA job end to end on the 1.5B shape (examples/lora-e2e.yaml: 30 steps,
     # saves at 10/20/30, the PEFT adapter and the merged export and their acceptance), then our LoRA against the
     # Trainer + peft (plain at micro-batch 2, where its fp32 logits fit an H100; with Liger at 4), the full
     # fine-tune, and the Qwen2.5-7B shape with LoRA. Carry .whl (with peft).
-    python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m job --config bench/lora-e2e.yaml >"$out/e2e.log" 2>&1
+    python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m job --config examples/lora-e2e.yaml >"$out/e2e.log" 2>&1
     echo "e2e exit $?"; grep -E '"kind": "(start|checkpoint|export|time)"' "$out/e2e.log" | cut -c1-700
     du -sh /dev/shm/runs/lora-e2e/checkpoint_* /dev/shm/runs/lora-e2e/export /dev/shm/runs/lora-e2e/export/merged
     rm -rf /dev/shm/runs

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from job.records.report import load_pyplot  # noqa: E402
+from job.commands.report import load_pyplot  # noqa: E402
 
 
 def read_time(path: str) -> dict:

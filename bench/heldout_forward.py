@@ -22,8 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job import config as config_lib  # noqa: E402
-from job.worker.generate import greedy_generate  # noqa: E402
-from job.worker.model import CausalLMWithLoss, build_causal_lm  # noqa: E402
+from job.worker.evaluation.generate import greedy_generate  # noqa: E402
+from job.worker.model.causal_lm import (
+    CausalLMWithLoss,
+    build_causal_lm,  # noqa: E402
+)
 
 
 def packed_blocks(n: int, seq_len: int, vocab: int, doc_len: int = 200) -> dict:

@@ -42,9 +42,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # The same architectures as the job's (`model.preset`), so both sides of the benchmark train the same model.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from job.worker.metrics import flops_per_token, peak_flops  # noqa: E402
-from job.worker.architecture import PRESETS  # noqa: E402
 from bench.benchmark import peer_parser  # noqa: E402
+from job.common.presets import PRESETS  # noqa: E402
+from job.worker.metrics import (
+    flops_per_token,
+    peak_flops,  # noqa: E402
+)
 
 
 class RandomTokens(torch.utils.data.Dataset):

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from job.worker.architecture import PRESETS  # noqa: E402
+from job.common.presets import PRESETS  # noqa: E402
 
 FA4 = "fa4"  # the name flash_attention_4 below is registered under (none with "flash": transformers takes those for its own)
 

@@ -30,8 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the local S3 server of the tests
 
-from job.records import runs  # noqa: E402
 from servers import moto_s3  # noqa: E402
+
+from job.commands import runs  # noqa: E402
 
 TEMPLATE = REPO / "bench" / "runs" / "2026-12-01-run14-gsm8k-pretrained-run.json"
 BROKEN = (b"", b'{"schema_version": 1, "status": "succ', b"\x00\xff garbage", b"[1, 2, 3]", None)

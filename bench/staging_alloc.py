@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import multiprocessing as mp
+import os
 import sys
 import threading
 import time
@@ -65,7 +65,7 @@ def register(buffer: torch.Tensor, chunk: int | None) -> None:
 
 
 def populate(buffers: list[torch.Tensor]) -> None:
-    from job.worker.staging import populate as job_populate
+    from job.worker.checkpoint.staging import populate as job_populate
 
     job_populate(buffers)
 

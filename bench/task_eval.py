@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Task-evaluation speed: the run's held-out task items decoded greedily by the unsharded model exactly as
-`evaluate.task_evaluate` runs them at the start and the end of a fine-tune, once per decode path, one table.
+`task.task_evaluate` runs them at the start and the end of a fine-tune, once per decode path, one table.
 
     python bench/task_eval.py --config run.yaml [--set KEY=VALUE ...] [--paths generate,graph]
         [--limit N] [--profile-steps K] [--out DIR]
@@ -9,7 +9,7 @@
 `values/gsm8k.yaml` as rendered (bench/device-finetune.sh writes it to /tmp/run.yaml). Decode paths
 (`DECODE_PATHS`): `stock` is Transformers' `generate` on its SDPA (before 5.24 it repeats every key/value head
 per query head when a mask is given), `generate` the same with `generate.sdpa_grouped_decode`, `eager` and
-`graph` job/worker/generate.py's loop without and with CUDA graphs, `graph-all-rows` the latter with every row
+`graph` job/worker/evaluation/generate.py's loop without and with CUDA graphs, `graph-all-rows` the latter with every row
 decoded to the end (before rows that ended left the steps). Columns: seconds, exact match, items, decode
 steps, and how many generations differ from the first path's. `--profile-steps K` then profiles K decode steps of the full batch
 and prints the kernels that take the time, and the prefill and per-step time.
@@ -31,9 +31,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job import config as config_lib  # noqa: E402
+from job.common import sources  # noqa: E402
 from job.worker import data as data_lib  # noqa: E402
-from job.worker import evaluate, generate  # noqa: E402
-from job.worker.model import load_tokenizer  # noqa: E402
+from job.worker.evaluation import generate, task  # noqa: E402
+from job.worker.model.causal_lm import load_tokenizer  # noqa: E402
 
 
 def synchronized_seconds(fn, device) -> tuple[float, object]:
@@ -47,7 +48,7 @@ def synchronized_seconds(fn, device) -> tuple[float, object]:
 
 
 def transformers_generate(grouped: bool):
-    """Transformers' `generate` with a static cache, as task evaluation ran before job/worker/generate.py's loop."""
+    """Transformers' `generate` with a static cache, as task evaluation ran before job/worker/evaluation/generate.py's loop."""
     def run(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
         if grouped:
             generate.use_grouped_decode(lm)
@@ -59,8 +60,8 @@ def transformers_generate(grouped: bool):
 DECODE_PATHS = {
     "stock": transformers_generate(grouped=False),  # Transformers' SDPA (before 5.24: key/value heads repeated)
     "generate": transformers_generate(grouped=True),  # with `sdpa_grouped_decode` (runs 15-18)
-    "eager": lambda *args: generate.greedy_generate(*args, cuda_graph=False),  # job/worker/generate.py, no CUDA graph
-    "graph": generate.greedy_generate,  # job/worker/generate.py as task evaluation runs it
+    "eager": lambda *args: generate.greedy_generate(*args, cuda_graph=False),  # job/worker/evaluation/generate.py, no CUDA graph
+    "graph": generate.greedy_generate,  # job/worker/evaluation/generate.py as task evaluation runs it
     "graph-all-rows": lambda *args: generate.greedy_generate(*args, drop_ended_below=0),  # every row to the end
 }
 
@@ -82,8 +83,8 @@ def main() -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             init_method=f"file://{tempfile.mktemp()}")
     tokenizer = load_tokenizer(cfg.model)
-    _, heldout, _ = data_lib.read_examples(cfg.data, cfg.train.seed)
-    items = evaluate.task_items(heldout.items, cfg.data, tokenizer)
+    _, heldout, _ = sources.read_examples(cfg.data, cfg.train.seed)
+    items = task.task_items(heldout.items, cfg.data, tokenizer)
     if args.limit:
         items = items[: args.limit]
     eval_cfg = dataclasses.replace(cfg.eval, task_max_examples=0, task_log_examples=len(items))
@@ -93,20 +94,20 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     warm_up = dataclasses.replace(eval_cfg, task_max_new_tokens=2)  # kernels' first-call costs out of the first row
-    evaluate.task_evaluate(lm, tokenizer, items[:8], warm_up, 0, 1, device, step=0)
+    task.task_evaluate(lm, tokenizer, items[:8], warm_up, 0, 1, device, step=0)
     rows, first = [], None
     for path in args.paths.split(","):
         lm.set_attn_implementation("sdpa")
-        evaluate.greedy_generate = DECODE_PATHS[path]
+        generate.greedy_generate = DECODE_PATHS[path]
         seconds, result = synchronized_seconds(
-            lambda: evaluate.task_evaluate(lm, tokenizer, items, eval_cfg, 0, 1, device, step=0), device)
+            lambda: task.task_evaluate(lm, tokenizer, items, eval_cfg, 0, 1, device, step=0), device)
         generations = [x["got"] for x in result["examples"]]
         first = first or generations
         rows.append({"path": path, "seconds": seconds, "exact_match": result["exact_match"], "n": result["n"],
                      "decode_steps": result["decode_steps"], "decode": result["decode"],
                      "differ_from_first": sum(a != b for a, b in zip(generations, first))})
         print(json.dumps(rows[-1]), flush=True)
-    evaluate.greedy_generate = generate.greedy_generate
+    generate.greedy_generate = generate.greedy_generate
 
     print(f"\n{'path':<10}{'seconds':>9}{'exact match':>13}{'items':>7}{'steps':>7}{'differ':>8}  decode")
     for r in rows:
@@ -125,11 +126,11 @@ def profile(lm, tokenizer, items, eval_cfg, device, steps: int) -> dict:
     """Prefill and per-step time of the full batch as task evaluation decodes, and the top kernels of `steps`
     eager decode steps (the prefill left out)."""
     prompts = tokenizer([x["prompt"] for x in items[: eval_cfg.task_batch_size]], add_special_tokens=False)["input_ids"]
-    ids, mask = evaluate.left_pad(prompts, evaluate.pad_id(tokenizer))
+    ids, mask = generate.left_pad(prompts, data_lib.pad_id(tokenizer))
     ids, mask = ids.to(device), mask.to(device)
 
     def decode(n):
-        return generate.greedy_generate(lm, ids, mask, n, eos_token_id=None, pad_token_id=evaluate.pad_id(tokenizer))
+        return generate.greedy_generate(lm, ids, mask, n, eos_token_id=None, pad_token_id=data_lib.pad_id(tokenizer))
 
     prefill, _ = synchronized_seconds(lambda: decode(1), device)
     # Two calls with the same warm-up steps and capture, `steps` replays apart (one call less its prefill also
@@ -143,7 +144,7 @@ def profile(lm, tokenizer, items, eval_cfg, device, steps: int) -> dict:
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     # The decode steps alone, eagerly (a replayed graph hides which operation each kernel belongs to).
     generate.use_grouped_decode(lm)
-    decoder = generate.StaticDecoder(lm, ids, mask, 1 + steps, eos_token_id=None, pad_token_id=evaluate.pad_id(tokenizer))
+    decoder = generate.StaticDecoder(lm, ids, mask, 1 + steps, eos_token_id=None, pad_token_id=data_lib.pad_id(tokenizer))
     with torch.profiler.profile(activities=activities) as prof:
         decoder.run(cuda_graph=False)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"

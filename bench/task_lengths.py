@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job import config as config_lib  # noqa: E402
-from job.worker import data as data_lib  # noqa: E402
-from job.worker import evaluate  # noqa: E402
-from job.worker.model import load_tokenizer  # noqa: E402
+from job.common import sources  # noqa: E402
+from job.worker.evaluation import task  # noqa: E402
+from job.worker.model.causal_lm import load_tokenizer  # noqa: E402
 
 
 def main() -> int:
@@ -35,8 +35,8 @@ def main() -> int:
     if not cfg.eval.task:
         parser.error("the config has no eval.task")
     tokenizer = load_tokenizer(cfg.model)
-    _, heldout, _ = data_lib.read_examples(cfg.data, cfg.train.seed)
-    items = evaluate.task_items(heldout.items, cfg.data, tokenizer)
+    _, heldout, _ = sources.read_examples(cfg.data, cfg.train.seed)
+    items = task.task_items(heldout.items, cfg.data, tokenizer)
     tokens = lambda texts: [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]  # noqa: E731
     lengths = {"prompt": tokens([x["prompt"] for x in items]),
                "answer": [n + 1 for n in tokens([x["reference"] for x in items])]}

@@ -76,9 +76,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from job.worker.architecture import PRESETS  # noqa: E402
 from bench.benchmark import peer_parser  # noqa: E402
-from job.worker.metrics import flops_per_token, peak_flops  # noqa: E402
+from job.common.presets import PRESETS  # noqa: E402
+from job.worker.metrics import (
+    flops_per_token,
+    peak_flops,  # noqa: E402
+)
 
 TORCHTITAN_VERSION = "0.2.2"  # the version this script is written against (its Trainer's internals differ by version)
 SPEC = "qwen3_random"

@@ -1,10 +1,10 @@
 """FSDP2 fine-tuning of Hugging Face causal LMs under Ray Train, shipped by a Helm chart.
 
-A tree whose folders say the architecture (docs/architecture.md): `worker/` (what runs in each training process:
-build, data, model, loss, the loop, evaluation, checkpoints, export, metrics), `records/` (what a run leaves and
-how it is read: the run record, failures, the run index, report, compare, environment, NCCL, preflight, MLflow),
-`driver/` (resolving the run, launching the workers, watching them), with `config`, `storage` and `packages`
-shared by all; `__main__` is the command line. Imports point one way: driver -> worker -> records -> shared.
+A tree whose folders say the architecture (docs/architecture.md): `driver/` (resolving the run, launching the
+workers, watching them), `worker/` (what runs in each training process), `commands/` (reading runs: the index,
+report, compare), `records/` (writing a run's record), `common/` (what driver and workers share without torch),
+with `config`, `rules`, `storage`, `packages` and `signals` under all; `__main__` is the command line. Imports
+point one way: driver -> worker -> commands -> records -> common -> shared.
 """
 
 import os

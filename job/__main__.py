@@ -1,13 +1,13 @@
 """Command line.
 
     python -m job [run] --config run.yaml [--set key=value ...]   train (or preflight, per `mode`)
-    python -m job runs STORAGE [--status S] [--where F=V] [--json]  the runs under a storage path (job/records/runs.py)
+    python -m job runs STORAGE [--status S] [--where F=V] [--json]  the runs under a storage path (job/commands/runs.py)
     python -m job compare RUN_A RUN_B                              what differs between two runs' records
     python -m job report RUN_DIR [--out DIR]                       markdown summary and plots of a run
     python -m job accept EXPORT_DIR                                re-check an exported model (fresh process)
     python -m job schema                                           JSON Schema of the run config
 
-`run` is `driver/run.py`'s: every problem the checks before any worker starts find (config, optional packages,
+`run` is `driver/main.py`'s: every problem the checks before any worker starts find (config, optional packages,
 storage, the model's settings, whether the cluster can place the workers) is printed, one line each naming the
 field, with exit status 2; a failed run exits 1 with the workers' error, and a complete run is not started again.
 The other commands import no training code, so they start in well under a second.
@@ -26,7 +26,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 
 from . import config as config_lib  # noqa: E402
-from .records import compare, report, runs  # noqa: E402
+from .commands import compare, report, runs  # noqa: E402
 
 
 COMMANDS = """commands:
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return _accept(argv[1:])
     if argv[:1] == ["run"]:
         argv = argv[1:]
-    # Training's imports (torch) here, not at the top: the other commands start in well under a second.
-    from .driver import run as run_command
+    from .driver import main as driver  # torch: here, not at the top, to keep the other commands' start short
 
     imported_at = time.time()
     parser = argparse.ArgumentParser(prog="python -m job [run]", description="FSDP2 fine-tune under Ray Train.",
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
-    return run_command.run(args, STARTED_AT, imported_at)
+    return driver.run(args, STARTED_AT, imported_at)
 
 
 def _accept(argv: list[str]) -> int:
@@ -76,7 +75,7 @@ def _accept(argv: list[str]) -> int:
     where.add_argument("--wait", action="store_true",
                        help="prepare (imports), then read the export directory from standard input")
     args = parser.parse_args(argv)
-    from .worker.export import accept, prepare_acceptance
+    from .worker.model.export import accept, prepare_acceptance  # here: keeps the other commands' start short
 
     if args.wait:
         prepare_acceptance()

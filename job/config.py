@@ -28,6 +28,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from . import rules
+
 
 class ConfigError(ValueError):
     """A bad run configuration: one line per problem, each starting with the dotted path of its field."""
@@ -118,11 +120,6 @@ class SourceConfig:
     """Hub dataset configuration name (e.g. `main` for `hf:openai/gsm8k`); only for `hf:` sources."""
     split: str = "train"
     """Split of an `hf:` source to read (e.g. `train`, `test`); only for `hf:` sources."""
-
-
-def is_hub_source(path: str) -> bool:
-    """`hf:owner/name`: a dataset on the Hugging Face hub, read with `datasets` (`hf://` is an fsspec file path)."""
-    return path.startswith("hf:") and not path.startswith("hf://")
 
 
 @dataclass
@@ -446,10 +443,10 @@ class RunConfig:
 
 
 def validate(cfg: RunConfig) -> None:
-    """The bounds each field declares (`_outside_bounds`), and the checks across fields that types and bounds
-    cannot express. Raises one `ConfigError` listing every problem,
-    each naming its field, in the order of the config tree (as `python -m job schema` and the resolved config
-    list the fields; `load_dict` puts them in the file's order), so one edit can fix them all."""
+    """The bounds each field declares (`_outside_bounds`), the run name, and the rules across fields (`rules.RULES`,
+    which the chart checks too). Raises one `ConfigError` listing every problem, each naming its field, in the order
+    of the config tree (as `python -m job schema` and the resolved config list the fields; `load_dict` puts them in
+    the file's order), so one edit can fix them all."""
     errors = _outside_bounds(cfg)
     if not cfg.name:
         errors.append("name: required (the run name; the chart sets it from the release name)")
@@ -457,74 +454,9 @@ def validate(cfg: RunConfig) -> None:
         errors.append(f"name: {cfg.name!r} must be one directory name of letters, digits, '.', '_' and '-', "
                       "starting with a letter or digit: the run directory is <storage_path>/<name>, and a name with "
                       "'/' or '..' would place it elsewhere")
-    if cfg.train.warmup_steps >= cfg.train.max_steps:
-        errors.append(
-            f"train.warmup_steps: {cfg.train.warmup_steps} must be below train.max_steps ({cfg.train.max_steps})"
-        )
-    if 0 < cfg.train.loss_spike_factor <= 1:  # below 0: its declared bound
-        errors.append(f"train.loss_spike_factor: must be 0 (off) or > 1, got {cfg.train.loss_spike_factor}")
-    m = cfg.model
-    if m.init == "pretrained" and m.path is None:
-        errors.append("model.path: required with model.init: pretrained (or set model.init: random)")
-    if m.init == "random" and m.path is None and m.preset is None:
-        errors.append("model.preset: model.init: random needs an architecture: set model.preset or model.path")
-    if m.preset is not None and m.path is not None:
-        errors.append("model.preset: give either model.preset or model.path, not both")
-    if m.sdpa_backend is not None and m.attn_implementation != "sdpa":
-        errors.append(f"model.sdpa_backend: needs model.attn_implementation: sdpa, not {m.attn_implementation}")
-    if m.train_tokenizer_vocab is not None and m.tokenizer is not None:
-        errors.append("model.train_tokenizer_vocab: contradicts model.tokenizer: load a tokenizer or train one")
-    _validate_data(cfg, errors)
-    if cfg.data.format != "synthetic" and m.tokenizer is None and m.path is None and m.train_tokenizer_vocab is None:
-        errors.append(
-            "model.tokenizer: real data needs a tokenizer: set model.tokenizer, model.path "
-            "or model.train_tokenizer_vocab"
-        )
-    group = cfg.parallel.shard_group_size
-    if group > 0 and cfg.scaling.num_workers % group:
-        errors.append(
-            f"parallel.shard_group_size: {group} must be 0 or divide scaling.num_workers ({cfg.scaling.num_workers})"
-        )
-    if cfg.parallel.cpu_offload and cfg.parallel.compile:
-        errors.append("parallel.compile: not supported together with parallel.cpu_offload")
-    if cfg.parallel.mixed_precision == "bf16" and not cfg.scaling.use_gpu:
-        errors.append("parallel.mixed_precision: bf16 needs scaling.use_gpu: true (CPU runs use fp32)")
-    if cfg.parallel.float8 != "none" and not cfg.scaling.use_gpu:
-        errors.append(f"parallel.float8: {cfg.parallel.float8} needs scaling.use_gpu: true (float8 GEMMs run on CUDA "
-                      "GPUs of compute capability >= 8.9)")
-    elif cfg.parallel.float8 != "none" and cfg.parallel.mixed_precision == "fp32":
-        errors.append(f"parallel.float8: {cfg.parallel.float8} needs bf16 compute (parallel.mixed_precision: auto or "
-                      "bf16), not fp32")
-    _validate_lora(cfg, errors)
     if not cfg.checkpoint.resume.strip():
         errors.append("checkpoint.resume: expected auto, never or a checkpoint directory/URI, got ''")
-    if cfg.debug.fail_at_step is not None and cfg.debug.fail_at_step > cfg.train.max_steps:
-        errors.append(
-            f"debug.fail_at_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.fail_at_step}"
-        )
-    if cfg.debug.fail_mode == "disk_full" and cfg.debug.fail_at_step is not None and not (
-            cfg.debug.fail_at_step == cfg.train.max_steps
-            or (cfg.checkpoint.every_steps and cfg.debug.fail_at_step % cfg.checkpoint.every_steps == 0)):
-        errors.append(f"debug.fail_at_step: debug.fail_mode disk_full needs a save step (a multiple of "
-                      f"checkpoint.every_steps={cfg.checkpoint.every_steps}, or train.max_steps), got {cfg.debug.fail_at_step}")
-    for mode, off, knob in (("hang", cfg.train.hang_timeout_s == 0, "train.hang_timeout_s"),
-                            ("loss_spike", cfg.train.loss_spike_factor == 0, "train.loss_spike_factor")):
-        if cfg.debug.fail_mode == mode and cfg.debug.fail_at_step is not None and off:
-            errors.append(f"debug.fail_mode: {mode} needs its check on: {knob} is 0")
-    if cfg.debug.profile_step is not None and cfg.debug.profile_step > cfg.train.max_steps:
-        errors.append(
-            f"debug.profile_step: must be within [1, train.max_steps={cfg.train.max_steps}], got {cfg.debug.profile_step}"
-        )
-    if cfg.debug.fail_rank >= cfg.scaling.num_workers:
-        errors.append(
-            f"debug.fail_rank: must be within [0, scaling.num_workers={cfg.scaling.num_workers}), got {cfg.debug.fail_rank}"
-        )
-    if cfg.eval.sample_prompt is not None and cfg.data.format == "synthetic":
-        errors.append("eval.sample_prompt: synthetic data has no tokenizer to encode a prompt")
-    if cfg.checkpoint.every_steps > cfg.train.max_steps:
-        errors.append(f"checkpoint.every_steps: {cfg.checkpoint.every_steps} is longer than the run "
-                      f"(train.max_steps {cfg.train.max_steps}), so no checkpoint would come before the last step; "
-                      "set it to at most train.max_steps, or 0 to save only at the end")
+    errors += rules.broken(cfg)
     if errors:
         raise ConfigError(*_in_tree_order(errors))
 
@@ -610,84 +542,6 @@ def _file_order(raw: dict) -> dict[str, int]:
 
     walk(raw, "")
     return order
-
-
-def _validate_lora(cfg: RunConfig, errors: list[str]) -> None:
-    """Cross-field checks of `model.lora`."""
-    lora = cfg.model.lora
-    if lora.rank is None:
-        if lora.merged_export:
-            errors.append("model.lora.merged_export: merges adapters, and model.lora.rank is null (a full fine-tune, "
-                          "whose export is already full weights)")
-    elif cfg.parallel.float8 != "none":
-        errors.append(f"model.lora.rank: LoRA does not run with parallel.float8: {cfg.parallel.float8} (the frozen "
-                      "weights would be cast to float8 in every GEMM and the adapters' small GEMMs gain nothing); "
-                      "set parallel.float8: none or model.lora.rank: null")
-    if lora.merged_export and not cfg.checkpoint.export:
-        errors.append("model.lora.merged_export: needs checkpoint.export: true (the merged weights are part of the export)")
-
-
-def _validate_data(cfg: RunConfig, errors: list[str]) -> None:
-    """Cross-field checks of `data` and `eval` (sources, columns, templates, task evaluation)."""
-    import string
-
-    d, e = cfg.data, cfg.eval
-    if d.format == "synthetic":
-        for key in ("train", "validation"):
-            if getattr(d, key) is not None:
-                errors.append(f"data.{key}: synthetic data takes no source (set data.format: text to train on it)")
-        if e.task is not None:
-            errors.append("eval.task: task evaluation needs real data (data.format: prompt_completion or chat)")
-        return
-    if d.train is None:
-        errors.append(f"data.train: required with data.format: {d.format}")
-    for key in ("train", "validation"):
-        src = getattr(d, key)
-        if src is None:
-            continue
-        if not src.path:
-            errors.append(f"data.{key}.path: required (a file, directory, URI or hf:owner/name)")
-        hub = is_hub_source(src.path)
-        if hub and src.path.count("/") != 1:
-            errors.append(f"data.{key}.path: expected hf:owner/name, got {src.path!r}")
-        if not hub:
-            for opt in ("revision", "subset"):
-                if getattr(src, opt) is not None:
-                    errors.append(f"data.{key}.{opt}: only for hub sources (hf:owner/name), not {src.path!r}")
-            if src.split != "train":
-                errors.append(f"data.{key}.split: only for hub sources (hf:owner/name), not {src.path!r}")
-        if src.path.startswith("builtin:"):
-            if src.path != "builtin:python-docs":
-                errors.append(f"data.{key}.path: unknown builtin source {src.path!r} (known: builtin:python-docs)")
-            if d.format != "text":
-                errors.append(f"data.{key}.path: builtin:python-docs is plain text, for data.format: text only")
-    for col, name in dataclasses.asdict(d.columns).items():
-        if not name:
-            errors.append(f"data.columns.{col}: must not be empty")
-    if d.format == "prompt_completion":
-        try:
-            fields = [f for _, f, _, _ in string.Formatter().parse(d.prompt_template) if f is not None]
-        except ValueError as err:
-            errors.append(f"data.prompt_template: not a valid format string: {err}")
-            fields = []
-        if any(not f or not f.isidentifier() for f in fields):
-            errors.append(
-                f"data.prompt_template: fields must be column names like {{prompt}}, got {d.prompt_template!r}"
-            )
-    if d.chat_template is not None and d.format != "chat":
-        errors.append("data.chat_template: only used with data.format: chat")
-    if d.validation is None and d.validation_fraction == 0 and e.task is None:  # (eval.task says it below)
-        no_heldout = "needs held-out data: set data.validation or data.validation_fraction > 0"
-        if e.every_steps:
-            errors.append(f"eval.every_steps: evaluation {no_heldout}")
-        if cfg.checkpoint.export:
-            errors.append(f"checkpoint.export: the export's acceptance check (its held-out loss against the final "
-                          f"evaluation's) {no_heldout}, or set checkpoint.export: false")
-    if e.task is not None:
-        if d.format not in ("prompt_completion", "chat"):
-            errors.append(f"eval.task: needs data.format prompt_completion or chat, not {d.format}")
-        if d.validation is None and d.validation_fraction == 0:
-            errors.append("eval.task: needs held-out rows: set data.validation or data.validation_fraction > 0")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -879,8 +733,9 @@ def _schema(tp: Any) -> dict:
                 prop["default"] = default
             props[f.name] = {**prop, "description": docs[f.name]}
         obj = {"type": "object", "additionalProperties": False, "properties": props}
-        if hasattr(tp, "_shorthand"):  # a string stands for {<_shorthand>: string}
-            return {"anyOf": [{"type": "string"}, obj]}
+        if hasattr(tp, "_shorthand"):  # a string stands for {<_shorthand>: string}, with that field's bounds
+            bounds = {k: v for k, v in props[tp._shorthand].items() if k not in ("type", "default", "description")}
+            return {"anyOf": [{"type": "string", **bounds}, obj]}
         return obj
     if origin in (typing.Union, types.UnionType):
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]

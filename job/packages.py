@@ -23,7 +23,7 @@ import importlib
 import importlib.metadata
 from types import ModuleType
 
-from .config import is_hub_source
+from .rules import is_hub_source
 
 DATASETS_VERSION = "5.2.0"
 """The `datasets` pin of requirements.txt (a test keeps them equal): what the fix for a missing one installs."""

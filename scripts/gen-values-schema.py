@@ -6,22 +6,31 @@
   chart's own values) is maintained by hand.
 * templates/_run-schema.tpl: the same schema without descriptions, as a named template, for the render-time
   checks in templates/_run-checks.tpl (Helm gives templates no access to values.schema.json).
+* templates/_run-rules.tpl: the job's rules across fields (`job.rules.RULES`) compiled into template conditions, each
+  failing with the job's message (field paths prefixed `run.`), so `helm install` refuses what the job refuses.
 
 Usage (repo root):  .venv/bin/python scripts/gen-values-schema.py           rewrite both files
                     .venv/bin/python scripts/gen-values-schema.py --check   exit 1 if either is out of date
 """
 
+import ast
+import dataclasses
 import json
 import pathlib
+import re
 import sys
+import types
+import typing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from job.config import json_schema  # noqa: E402
+from job import rules  # noqa: E402
+from job.config import RunConfig, _hints, json_schema  # noqa: E402
 
 SCHEMA_PATH = ROOT / "values.schema.json"
 TEMPLATE_PATH = ROOT / "templates" / "_run-schema.tpl"
+RULES_PATH = ROOT / "templates" / "_run-rules.tpl"
 
 
 def regenerated_schema(text: str) -> str:
@@ -47,12 +56,199 @@ def regenerated_template() -> str:
     )
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# job.rules.RULES as template conditions
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def config_fields() -> dict[str, tuple[type, bool]]:
+    """Every dotted path of the run config: (its type, Optional unwrapped; whether it may be null)."""
+    fields = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            tp, path = _hints(cls)[f.name], prefix + f.name
+            args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+            inner = next((a for a in args if a is not type(None)), tp)
+            fields[path] = (inner, type(None) in args)
+            if dataclasses.is_dataclass(inner):
+                walk(inner, f"{path}.")
+
+    walk(RunConfig, "")
+    return fields
+
+
+FIELDS = config_fields()
+SECTIONS = {path for path, (tp, nullable) in FIELDS.items() if dataclasses.is_dataclass(tp) and nullable}
+"""Fields that hold a mapping or null (the data sources): the template normalises each into a variable."""
+CASTS = {int: "int", float: "float64"}
+GO_FUNCTIONS = {
+    "hub": '(and (kindIs "string" $0) (hasPrefix "hf:" $0) (not (hasPrefix "hf://" $0)))',
+    "starts": '(and (kindIs "string" $0) (hasPrefix $1 $0))',
+    "count": "(sub (len (splitList $1 $0)) 1)",
+    "format_fields_ok": '(regexMatch "^' + rules.PROMPT_FIELDS.replace("\\", "\\\\") + '$" ($0 | replace "{{" "" | replace "}}" ""))',
+}
+"""`job.rules.FUNCTIONS` as template expressions (Helm's sprig functions): `$0`, `$1` are the compiled arguments."""
+assert GO_FUNCTIONS.keys() == rules.FUNCTIONS.keys(), "every function a rule may call needs its template here"
+GO_TYPES = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def variable(path: str) -> str:
+    return "$" + path.replace(".", "_")
+
+
+def go_literal(value, kind: str | None = None) -> str:
+    if value is None:
+        return "nil"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)) and (kind == "float" or isinstance(value, float)):
+        return repr(float(value))
+    return json.dumps(value)
+
+
+def raw_field(path: str) -> str:
+    """The template expression of a field's value (nil when null)."""
+    for section in sorted(SECTIONS, key=len, reverse=True):
+        if path.startswith(section + "."):
+            keys = path[len(section) + 1:].split(".")
+            return f"(index {variable(section)} {' '.join(json.dumps(k) for k in keys)})"
+    return f"(index $r {' '.join(json.dumps(k) for k in path.split('.'))})"
+
+
+def kind_of(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "str"
+    return GO_TYPES.get(tp, "other")
+
+
+def compile_expression(node: ast.expr) -> tuple[str, str, str | None]:
+    """(template expression, kind: int, float, str, bool, null, list or other, the raw field it reads or None)."""
+    if (path := rules.dotted(node)) is not None:
+        tp, _ = FIELDS[path]
+        raw = raw_field(path)
+        cast = CASTS.get(tp)
+        return (f"({cast} {raw})" if cast else raw), kind_of(tp), path
+    if isinstance(node, ast.Constant):
+        kind = {bool: "bool", int: "int", float: "float", str: "str", type(None): "null"}[type(node.value)]
+        return go_literal(node.value), kind, None
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return "(list " + " ".join(compile_expression(e)[0] for e in node.elts) + ")", "list", None
+    if isinstance(node, ast.BoolOp):
+        word = "and" if isinstance(node.op, ast.And) else "or"
+        return f"({word} " + " ".join(compile_expression(v)[0] for v in node.values) + ")", "bool", None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return f"(not {compile_expression(node.operand)[0]})", "bool", None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.Mult)):
+        word = "mod" if isinstance(node.op, ast.Mod) else "mul"
+        return f"({word} {compile_expression(node.left)[0]} {compile_expression(node.right)[0]})", "int", None
+    if isinstance(node, ast.Compare):
+        pairs, left = [], node.left
+        for op, right in zip(node.ops, node.comparators):
+            pairs.append(compile_comparison(left, op, right))
+            left = right
+        return (pairs[0] if len(pairs) == 1 else "(and " + " ".join(pairs) + ")"), "bool", None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in rules.FUNCTIONS:
+        text = GO_FUNCTIONS[node.func.id]
+        for i, arg in enumerate(node.args):
+            text = text.replace(f"${i}", compile_expression(arg)[0])
+        return text, "int" if node.func.id == "count" else "bool", None
+    raise ValueError(f"rules: {ast.unparse(node)!r} cannot be compiled for the chart")
+
+
+def is_null(node: ast.expr) -> str:
+    path = rules.dotted(node)
+    if path in SECTIONS:
+        return f"{variable(path)}_null"
+    return f'(kindIs "invalid" {raw_field(path)})'
+
+
+def compile_comparison(left: ast.expr, op: ast.cmpop, right: ast.expr) -> str:
+    if isinstance(op, (ast.Is, ast.IsNot)):
+        assert isinstance(right, ast.Constant) and right.value is None, "only `is None` / `is not None`"
+        test = is_null(left)
+        return test if isinstance(op, ast.Is) else f"(not {test})"
+    (a, a_kind, a_field), (b, b_kind, b_field) = compile_expression(left), compile_expression(right)
+    if isinstance(op, (ast.In, ast.NotIn)):
+        test = f"(has {a} {b})"
+        return test if isinstance(op, ast.In) else f"(not {test})"
+    # A number literal beside a float field is a float: the template compares only numbers of one kind.
+    if "float" in (a_kind, b_kind):
+        if isinstance(left, ast.Constant):
+            a = go_literal(left.value, "float")
+        if isinstance(right, ast.Constant):
+            b = go_literal(right.value, "float")
+    word = {ast.Eq: "eq", ast.NotEq: "ne", ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge"}[type(op)]
+    test = f"({word} {a} {b})"
+    nullable = [f for f in (a_field, b_field) if f is not None and FIELDS[f][1] or
+                f is not None and any(f.startswith(s + ".") for s in SECTIONS)]
+    if nullable and word in ("eq", "ne"):  # as in Python: a null field equals no value
+        null = " ".join(is_null(ast.parse(f, mode="eval").body) for f in nullable)
+        return f"(and (not (or {null})) {test})" if word == "eq" else f"(or {null} {test})"
+    return test
+
+
+PATHS = re.compile(r"(?<![\w.])(" + "|".join(sorted({p.split(".")[0] for p in FIELDS if "." in p}, key=len,
+                                                      reverse=True)) + r")\.[a-z_]+(?:\.[a-z_]+)*")
+
+
+def chart_message(rule: rules.Rule) -> tuple[str, list[str]]:
+    """The rule's message as a printf format and its arguments, every config path in it prefixed `run.`."""
+    text, args = f"{rule.field}: ", []
+    position = 0
+    for match in rules.PLACEHOLDER.finditer(rule.says):
+        text += rule.says[position:match.start()].replace("%", "%%")
+        position = match.end()
+        if match[0] in ("{{", "}}"):
+            text += match[0][0]
+            continue
+        expression, kind, _ = compile_expression(ast.parse(match[1], mode="eval").body)
+        text += "%q" if match[2] else {"int": "%d", "float": "%v"}.get(kind, "%v")
+        args.append(expression)
+    text += rule.says[position:].replace("%", "%%")
+    return prefixed(text), args
+
+
+def prefixed(message: str) -> str:
+    """`message` as the chart words it: every config field path in it prefixed `run.`."""
+    return PATHS.sub(lambda m: f"run.{m[0]}" if m[0] in FIELDS or any(f.startswith(m[0]) for f in FIELDS) else m[0],
+                     message)
+
+
+def regenerated_rules() -> str:
+    lines = ["{{/* Generated by scripts/gen-values-schema.py from job.rules.RULES; do not edit. The job's rules across",
+             "fields, on the run config with its defaults filled in (ray-finetune.checkRun): each fails with the job's",
+             "message, its field paths prefixed run. */}}",
+             '{{- define "ray-finetune.runRules" -}}',
+             "{{- $r := . }}"]
+    for section in sorted(SECTIONS):
+        tp, _ = FIELDS[section]
+        defaults = {f.name: f.default for f in dataclasses.fields(tp)
+                    if f.default is not dataclasses.MISSING and f.default is not None}
+        var, shorthand = variable(section), getattr(tp, "_shorthand", None)
+        lines.append(f"{{{{- {var} := {raw_field(section)} }}}}")
+        if shorthand:
+            lines.append(f'{{{{- if kindIs "string" {var} }}}}{{{{ {var} = dict {json.dumps(shorthand)} {var} }}}}'
+                         "{{ end }}")
+        lines.append(f'{{{{- {var}_null := kindIs "invalid" {var} }}}}')
+        pairs = " ".join(f"{json.dumps(k)} {go_literal(v)}" for k, v in defaults.items())
+        lines.append(f"{{{{- {var} = merge (deepCopy ({var} | default dict)) (dict {pairs}) }}}}")
+    for rule in rules.RULES:
+        condition, _, _ = compile_expression(rule.condition)
+        text, args = chart_message(rule)
+        lines += [f"{{{{- if {condition} }}}}",
+                  f"{{{{- fail (printf {json.dumps(text)}{''.join(' ' + a for a in args)}) }}}}",
+                  "{{- end }}"]
+    return "\n".join(lines + ["{{- end }}"]) + "\n"
+
+
 def main() -> int:
-    wanted = {SCHEMA_PATH: regenerated_schema(SCHEMA_PATH.read_text()), TEMPLATE_PATH: regenerated_template()}
+    wanted = {SCHEMA_PATH: regenerated_schema(SCHEMA_PATH.read_text()), TEMPLATE_PATH: regenerated_template(),
+              RULES_PATH: regenerated_rules()}
     if "--check" in sys.argv[1:]:
         stale = [p.relative_to(ROOT) for p, text in wanted.items() if not p.exists() or p.read_text() != text]
         if stale:
-            print(f"{', '.join(map(str, stale))}: out of date with job.config.json_schema(); "
+            print(f"{', '.join(map(str, stale))}: out of date with job.config.json_schema() and job.rules; "
                   "run scripts/gen-values-schema.py", file=sys.stderr)
             return 1
         return 0

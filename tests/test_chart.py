@@ -3,6 +3,7 @@
 Needs the pinned helm (scripts/install-helm.sh) and ../shared/kuberay-crds/; no Kubernetes API server.
 """
 
+import importlib.util
 import inspect
 import json
 import os
@@ -33,7 +34,13 @@ from chart_helpers import (
 
 from job import __version__ as job_version
 from job import config as job_config
+from job import rules
 from job.config import ConfigError, json_schema, load_dict
+
+_spec = importlib.util.spec_from_file_location("gen_values_schema", REPO / "scripts" / "gen-values-schema.py")
+GENERATOR = importlib.util.module_from_spec(_spec)
+"""scripts/gen-values-schema.py: how the chart words the job's rules (`prefixed`)."""
+_spec.loader.exec_module(GENERATOR)
 
 PROFILE_COMMANDS = profile_commands()
 # Every combination shown in the profiles' comments, plus the chart's own modes.
@@ -298,6 +305,10 @@ CROSS_FIELD_SAMPLES = [
     ("tokenizer and trained vocab", {"model": {"train_tokenizer_vocab": 512, "tokenizer": "t"}}, GPU_CLUSTER),
     ("synthetic with a source", {"data": {"train": "/x.jsonl"}}, GPU_CLUSTER),
     ("synthetic with a task", {"eval": {"task": "gsm8k"}}, GPU_CLUSTER),
+    ("synthetic with a validation source", {"data": {"validation": "/v.jsonl"}}, GPU_CLUSTER),
+    ("disk-full drill off a save step", {"debug": {"fail_at_step": 7, "fail_mode": "disk_full"}}, GPU_CLUSTER),
+    ("disk-full drill at a save step", {"debug": {"fail_at_step": 50, "fail_mode": "disk_full"},
+                                        "checkpoint": {"every_steps": 50}}, GPU_CLUSTER),
     ("synthetic with a sample prompt", {"eval": {"sample_prompt": "Hello"}}, GPU_CLUSTER),
     ("offload and compile", {"parallel": {"cpu_offload": True, "compile": True}}, GPU_CLUSTER),
     ("shard group not dividing", {"parallel": {"shard_group_size": 2}}, GPU_CLUSTER),
@@ -360,6 +371,11 @@ REAL_DATA_VARIANTS = [
     ("revision of a file", {"data": {"train": {"path": "/x.jsonl", "revision": "abc"}}}),
     ("subset of a file", {"data": {"train": {"path": "/x.jsonl", "subset": "main"}}}),
     ("split of a file", {"data": {"train": {"path": "/x.jsonl", "split": "test"}}}),
+    ("validation hub id with two slashes", {"data": {"validation": "hf:a/b/c"}}),
+    ("revision of a validation file", {"data": {"validation": {"path": "/v.jsonl", "revision": "abc"}}}),
+    ("subset of a validation file", {"data": {"validation": {"path": "/v.jsonl", "subset": "main"}}}),
+    ("split of a validation file", {"data": {"validation": {"path": "/v.jsonl", "split": "test"}}}),
+    ("unknown builtin validation", {"data": {"validation": "builtin:poems"}}),
     ("builtin text as prompt/completion", {"data": {"train": "builtin:python-docs"}}),
     ("unknown builtin", {"data": {"train": "builtin:poems"}}),
     ("builtin text", {"data": {"format": "text", "train": "builtin:python-docs"}, "eval": {"task": None}}),
@@ -416,15 +432,21 @@ def chart_verdict(override: dict, cluster, tmp_path) -> str:
 
 
 def rule_fields() -> set[str]:
-    """The fields named by the job's own rules (`validate`'s `errors.append("<field>: ...")`, the field spelled
-    out): each must be the field a sample is rejected for, so a rule added to the job needs a sample here."""
-    source = inspect.getsource(job_config.validate) + inspect.getsource(job_config._validate_data)
-    return set(re.findall(r"errors\.append\(\s*f?[\"']([a-z_]+(?:\.[a-z_]+)*):", source))
+    """The fields the job's rules lead with (`job.rules.RULES`, plus `validate`'s own): each must be the field a
+    sample is rejected for, so a rule added to the job needs a sample here."""
+    source = inspect.getsource(job_config.validate)
+    return {rule.field for rule in rules.RULES} | set(re.findall(r"errors\.append\(\s*f?[\"']([a-z_]+(?:\.[a-z_]+)*):", source))
+
+
+NUMBER_BOUND = re.compile(r"run\.\S+: must be (>=|>|<=|<) ")
+"""The chart's own bound check of a number given as a string (ray-finetune.number), in the schema's words."""
 
 
 def test_chart_and_job_reject_the_same_run_configs(tmp_path):
+    """On every sample the chart and the job agree; where the chart's own check (a rule, not the schema) refuses,
+    it says what the job says, word for word (field paths prefixed `run.`)."""
     assert len(SAMPLES) >= 120
-    disagreements, rejected, rejected_for = [], 0, set()
+    disagreements, rejected, rejected_for, same_words = [], 0, set(), 0
     for name, override, cluster in SAMPLES:
         job, chart = job_verdict(override, cluster), chart_verdict(override, cluster, tmp_path)
         if bool(job) != bool(chart):
@@ -433,15 +455,23 @@ def test_chart_and_job_reject_the_same_run_configs(tmp_path):
             rejected += 1
             field = re.sub(r"\[\d+\]", "", job.split(":")[0])
             *parent, leaf = field.split(".")
+            # A source written as a string (its `path`) is named by the field that holds the string.
             named = (names_field(chart, f"/run/{field.replace('.', '/')}")
-                     or (names_field(chart, f"/run/{'/'.join(parent)}") and leaf in chart))
+                     or (names_field(chart, f"/run/{'/'.join(parent)}") and (leaf in chart or leaf == "path")))
             if not named:
                 disagreements.append(f"{name}: the chart's error does not name {field}: {chart.strip()}")
             rejected_for.add(field)
+            said = chart.strip().split("): ", 1)[-1].splitlines()[0] if "execution error" in chart else None
+            if said is not None and any(said.startswith(GENERATOR.prefixed(f"{rule.field}: ")) for rule in rules.RULES) \
+                    and not NUMBER_BOUND.match(said):
+                if said not in {GENERATOR.prefixed(m) for m in job.splitlines()}:
+                    disagreements.append(f"{name}: the chart says {said!r}, the job {job.splitlines()}")
+                same_words += 1
     assert not disagreements, "\n".join(disagreements)
     assert {"name", "checkpoint.every_steps", "eval.every_steps", "checkpoint.export"} <= rule_fields()
-    assert rule_fields() <= rejected_for, f"rules of job.config.validate no sample is rejected for: {rule_fields() - rejected_for}"
+    assert rule_fields() <= rejected_for, f"rules no sample is rejected for: {rule_fields() - rejected_for}"
     assert rejected > len(SAMPLES) / 3  # the sample exercises the rules, not only valid configs
+    assert same_words > 40, same_words  # the rules' words were compared, not only the schema's refusals
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_run_config
-from job.worker import checkpoint as checkpoint_lib
-from job.worker import checkpoint_writer
 from job import config as config_lib
-from job.records import evidence
+from job import storage
+from job.common import checkpoints
 from job.driver import launch
+from job.records import run_record
+from job.worker.checkpoint import resume, staging, writer
 
 MAX_STEPS = 20
 EVERY = 4
@@ -66,7 +67,7 @@ def _final_weights(run_dir: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = f"{run_dir}/final.pt"
-    dcp_to_torch_save(f"{run_dir}/{checkpoint_lib.step_dir(MAX_STEPS)}", out)
+    dcp_to_torch_save(f"{run_dir}/{checkpoints.step_dir(MAX_STEPS)}", out)
     return torch.load(out, weights_only=False)["model"]
 
 
@@ -90,15 +91,15 @@ def reference(ray_cluster, tmp_path_factory):
 
 
 def test_reference_run_layout(reference):
-    steps = [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(reference)]
+    steps = [(s, ok) for s, _, ok in checkpoints.list_checkpoints(reference)]
     assert steps == [(16, True), (20, True)], "keep_last=2 complete checkpoints, older ones deleted by Ray"
     state = json.load(open(f"{reference}/checkpoint_00000020/train_state.json"))
     assert state["step"] == 20 and state["world_size"] == 2
     assert state["data"]["micro_batch_index"] == 20
     assert sorted(os.listdir(f"{reference}/checkpoint_00000020/rng")) == ["rank00000.pt", "rank00001.pt"]
     assert sorted(os.listdir(f"{reference}/checkpoint_00000020/checksums")) == ["rank00000.json", "rank00001.json"]
-    assert checkpoint_lib.verify(f"{reference}/checkpoint_00000020") == []
-    assert not os.path.exists(f"{reference}/{checkpoint_lib.RAY_SNAPSHOT}"), "checkpoints are not reported to Ray"
+    assert checkpoints.verify(f"{reference}/checkpoint_00000020") == []
+    assert not os.path.exists(f"{reference}/{checkpoints.RAY_SNAPSHOT}"), "checkpoints are not reported to Ray"
     assert not _records(reference, "resume")
 
 
@@ -118,7 +119,7 @@ def test_sigkill_worker_resumes_exactly(reference, tmp_path):
             except (OSError, ValueError):
                 steps = []
             # Past a complete checkpoint (saves are asynchronous: one completes some steps after its own).
-            complete = checkpoint_lib.latest_complete(run_dir)
+            complete = checkpoints.latest_complete(run_dir)
             if steps and steps[-1] >= EVERY + 1 and complete:
                 os.kill(pid, signal.SIGKILL)
                 killed.update(step=steps[-1], pid=pid, complete=int(complete.rsplit("_", 1)[-1]))
@@ -167,14 +168,14 @@ def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     cfg = _config(tmp_path, "retried", debug={"fail_at_step": 10, "fail_rank": 0})
     run_dir = _run(cfg, fails=True)
     # Checkpoint 8 completes asynchronously: by step 10 it may still be in flight (then 4 is the latest).
-    latest = int(checkpoint_lib.latest_complete(run_dir).rsplit("_", 1)[-1])
+    latest = int(checkpoints.latest_complete(run_dir).rsplit("_", 1)[-1])
     assert latest in (4, 8)
     _run(cfg)  # a new driver: the workers find the run's newest usable checkpoint in its directory
     (resume,) = _records(run_dir, "resume")
     assert resume["step"] == latest
     _assert_same_training(run_dir, reference)
     # The run record is this attempt's, resumed from that step, and remembers the failed attempt before it.
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     assert record["status"] == "succeeded" and record["extra"]["resumed_from"]["step"] == latest
     # Rank 0 was SIGKILLed, so its attempt's record was closed by the driver: failed, the worker lost.
     [attempt] = record["previous_attempts"]
@@ -183,7 +184,7 @@ def test_failed_job_rerun_with_same_name_resumes(reference, tmp_path):
     # ... and what it reached is read back from its metrics: its last logged step and when it was last seen.
     assert attempt["steps"] == 9 and attempt["ended_at"] >= attempt["started_at"]
     # An interrupted save of 8 included, older checkpoints are pruned.
-    assert [s for s, _, _ in checkpoint_lib.list_checkpoints(run_dir)] == [16, 20]
+    assert [s for s, _, _ in checkpoints.list_checkpoints(run_dir)] == [16, 20]
 
 
 def test_corrupt_latest_checkpoint_resumes_from_the_previous_exactly(reference, tmp_path):
@@ -199,9 +200,9 @@ def test_corrupt_latest_checkpoint_resumes_from_the_previous_exactly(reference, 
     assert resume["step"] == 16 and resume["data_exact"]
     [skipped] = resume["skipped"]
     assert skipped["step"] == 20 and skipped["reason"].startswith("__1_0.distcp (written by rank 1): content differs")
-    assert evidence.load_record(str(copy))["extra"]["resumed_from"]["skipped"] == [skipped]
+    assert run_record.load_record(str(copy))["extra"]["resumed_from"]["skipped"] == [skipped]
     _assert_same_training(str(copy), reference)
-    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(str(copy))] == [(16, True), (20, True)]
+    assert [(s, ok) for s, _, ok in checkpoints.list_checkpoints(str(copy))] == [(16, True), (20, True)]
 
 
 def test_unplaceable_worker_group_is_refused_before_fit(ray_cluster, tmp_path):
@@ -236,7 +237,7 @@ def test_trainer_has_no_placement_group_cleaner():
 def test_resume_never_refuses_an_existing_run(reference, tmp_path):
     cfg = config_lib.load_dict({**tiny_run_config(tmp_path), "name": os.path.basename(reference),
                                 "storage_path": os.path.dirname(reference), "checkpoint": {"resume": "never"}})
-    with pytest.raises(checkpoint_lib.CheckpointError, match=f"resume: never, but run {reference} already has"):
+    with pytest.raises(checkpoints.CheckpointError, match=f"resume: never, but run {reference} already has"):
         launch.prepare(cfg, launch.run_directory(cfg))
     fresh = config_lib.load_dict({**tiny_run_config(tmp_path), "name": "new", "checkpoint": {"resume": "never"}})
     launch.prepare(fresh, launch.run_directory(fresh))  # a new name starts
@@ -314,24 +315,24 @@ def test_export_loads_and_reproduces_eval_loss(reference, tmp_path):
 def test_acceptance_process_started_ahead_checks_what_it_is_sent(reference, tmp_path):
     """The acceptance process the run starts before writing its export: it checks the directory it is sent (and
     says where its time went), reports a failure with its stderr, and ends quietly when no check is asked of it."""
-    from job.worker import export as X
+    from job.worker.model import export
 
     copy = tmp_path / "export"
     shutil.copytree(f"{reference}/export", copy)
     os.remove(copy / "acceptance.json")
-    process = X.AcceptanceProcess()
+    process = export.AcceptanceProcess()
     process.send(str(copy))  # returns at once: the check runs while the caller goes on
     assert process.wait().startswith("acceptance process exited 0")
     process.close()
     result = json.load(open(copy / "acceptance.json"))
     assert result["ok"] and set(result["timings"]) == {"load_s", "heldout_s", "generate_s"}
 
-    failing = X.AcceptanceProcess()  # `accept`'s own one-line error on a wrong path reaches the caller
+    failing = export.AcceptanceProcess()  # `accept`'s own one-line error on a wrong path reaches the caller
     failing.send(str(tmp_path / "missing"))
     assert failing.wait() == f"acceptance process exited 2: accept: {tmp_path / 'missing'}: no such directory\n"
     failing.close()
 
-    unused = X.AcceptanceProcess()
+    unused = export.AcceptanceProcess()
     unused.close()
     assert unused._proc.returncode is not None
 
@@ -345,7 +346,8 @@ def _sharded_model(cfg: config_lib.RunConfig, fsdp: str = "always"):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
+    from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm
+    from job.worker.model.parallelize import parallelize
     from job.worker.optimizer import build_optimizer
 
     lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
@@ -363,7 +365,7 @@ def _batch() -> dict:
 
 def _identity(uri: str) -> dict:
     """The run identity a checkpoint was saved with: a resume of the same run presents it unchanged."""
-    return json.load(open(f"{uri}/{checkpoint_lib.STATE}"))["identity"]
+    return json.load(open(f"{uri}/{checkpoints.STATE}"))["identity"]
 
 
 def test_unreadable_checkpoints_fail_naming_the_path(reference, tmp_path, single_process):
@@ -373,32 +375,32 @@ def test_unreadable_checkpoints_fail_naming_the_path(reference, tmp_path, single
     shutil.copytree(f"{reference}/checkpoint_00000020", broken)
     identity = _identity(broken)
     model, optimizer = _sharded_model(cfg)
-    assert checkpoint_lib.restore(broken, model, optimizer, cfg, identity)["step"] == 20  # intact: loads
+    assert resume.restore(broken, model, optimizer, cfg, identity)["step"] == 20  # intact: loads
     shard = f"{broken}/__1_0.distcp"
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     # Unverified (restore alone): DCP fails, and the error carries the rank's own cause, not only its number.
-    with pytest.raises(checkpoint_lib.CheckpointError, match=f"checkpoint {broken}: cannot be read \\(rank 0: \\w+"):
-        checkpoint_lib.restore(broken, model, optimizer, cfg, identity)
+    with pytest.raises(checkpoints.CheckpointError, match=f"checkpoint {broken}: cannot be read \\(rank 0: \\w+"):
+        resume.restore(broken, model, optimizer, cfg, identity)
     # Verified: the truncated shard is named with the rank that wrote it.
-    [problem] = checkpoint_lib.verify(broken)
+    [problem] = checkpoints.verify(broken)
     assert problem.startswith("__1_0.distcp (written by rank 1): content differs from its checksum")
     other = _config(tmp_path, "other", scaling={"num_workers": 1},
                     model={"overrides": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64}})
     model, optimizer = _sharded_model(other)
-    with pytest.raises(checkpoint_lib.CheckpointError, match=f"{reference}/checkpoint_00000020: saved for another"):
-        checkpoint_lib.restore(f"{reference}/checkpoint_00000020", model, optimizer, other, identity)
+    with pytest.raises(checkpoints.CheckpointError, match=f"{reference}/checkpoint_00000020: saved for another"):
+        resume.restore(f"{reference}/checkpoint_00000020", model, optimizer, other, identity)
     # An interrupted save (no _COMPLETE marker) is never resumed from, and an explicit start point is refused.
     os.remove(f"{broken}/_COMPLETE")
-    assert checkpoint_lib.list_checkpoints(str(tmp_path)) == [(20, broken, False)]
-    assert checkpoint_lib.latest_complete(str(tmp_path)) is None
-    with pytest.raises(checkpoint_lib.CheckpointError, match=f"resume: {broken}: incomplete"):
-        checkpoint_lib.find_resume_point(_config(tmp_path, "x", checkpoint={"resume": broken}), str(tmp_path / "x"))
+    assert checkpoints.list_checkpoints(str(tmp_path)) == [(20, broken, False)]
+    assert checkpoints.latest_complete(str(tmp_path)) is None
+    with pytest.raises(checkpoints.CheckpointError, match=f"resume: {broken}: incomplete"):
+        resume.find_resume_point(_config(tmp_path, "x", checkpoint={"resume": broken}), str(tmp_path / "x"))
 
 
 def _save(step: int, model, optimizer, cfg, run_dir: str, identity: dict) -> None:
     """One complete save (staged, written, finished), as the loop's checkpointer does it."""
-    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    checkpointer = writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     try:
         checkpointer.save(step, model, optimizer)
         checkpointer.finish()
@@ -437,33 +439,33 @@ def test_corrupt_shard_is_skipped_and_never_outlives_a_good_checkpoint(tmp_path,
     listed = json.load(open(f"{run_dir}/checkpoint_00000012/checksums/rank00000.json"))["files"]
     shards = {f for f in os.listdir(f"{run_dir}/checkpoint_00000012") if f.endswith(".distcp")}
     assert "__0_0.distcp" in shards and set(listed) == {*shards, ".metadata", "rng/rank00000.pt"}
-    assert checkpoint_lib.verify(f"{run_dir}/checkpoint_00000012") == []
+    assert checkpoints.verify(f"{run_dir}/checkpoint_00000012") == []
 
     _corrupt(f"{run_dir}/checkpoint_00000012/__0_0.distcp")
-    uri, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
+    uri, skipped = resume.find_resume_point(cfg, run_dir)
     assert uri == f"{run_dir}/checkpoint_00000008"
     [(step, reason)] = [(s["step"], s["reason"]) for s in skipped]
     assert step == 12 and reason.startswith("__0_0.distcp (written by rank 0): content differs from its checksum")
     assert os.path.exists(f"{run_dir}/checkpoint_00000012/_UNUSABLE")
-    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(8, True), (12, False)]
+    assert [(s, ok) for s, _, ok in checkpoints.list_checkpoints(run_dir)] == [(8, True), (12, False)]
     # The marked checkpoint is skipped on later resumes without being read again, with the first reason.
-    _, again = checkpoint_lib.find_resume_point(cfg, run_dir)
+    _, again = resume.find_resume_point(cfg, run_dir)
     assert again[0]["reason"] == f"found unusable by an earlier resume: {reason}"
     # keep_last 1: saving step 10 may delete 8, never the bad 12 in its place; saving 12 again replaces it.
     _save(10, model, optimizer, _config(tmp_path, "corrupt", scaling={"num_workers": 1},
                                                       checkpoint={"keep_last": 1}), run_dir, identity)
-    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(10, True), (12, False)]
+    assert [(s, ok) for s, _, ok in checkpoints.list_checkpoints(run_dir)] == [(10, True), (12, False)]
     _save(12, model, optimizer, cfg, run_dir, identity)
-    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(10, True), (12, True)]
+    assert [(s, ok) for s, _, ok in checkpoints.list_checkpoints(run_dir)] == [(10, True), (12, True)]
 
     # A latest checkpoint without its marker is skipped the same way (and recorded), not marked.
     os.remove(f"{run_dir}/checkpoint_00000012/_COMPLETE")
-    uri, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
+    uri, skipped = resume.find_resume_point(cfg, run_dir)
     assert uri.endswith("checkpoint_00000010") and skipped[0]["reason"].startswith("incomplete (no _COMPLETE")
     # Nothing usable left but complete checkpoints existed: refuse, listing each and why, with the command.
     _corrupt(f"{run_dir}/checkpoint_00000010/rng/rank00000.pt")
-    with pytest.raises(checkpoint_lib.CheckpointError) as info:
-        checkpoint_lib.find_resume_point(cfg, run_dir)
+    with pytest.raises(checkpoints.CheckpointError) as info:
+        resume.find_resume_point(cfg, run_dir)
     message = str(info.value)
     assert "none can be resumed from" in message and "rng/rank00000.pt (written by rank 0)" in message
     assert f"rm -r {run_dir}/checkpoint_*" in message
@@ -477,21 +479,21 @@ def test_failed_save_names_the_cause_and_removes_the_partial_checkpoint(tmp_path
     cfg = _config(tmp_path, "full", scaling={"num_workers": 1})
     run_dir = str(tmp_path / "runs" / "full")
     model, optimizer, identity = _save_steps(cfg, run_dir, (4,))
-    write = checkpoint_lib.storage.write_atomic
+    write = storage.write_atomic
 
     def full_disk(uri, data):
         if "/rng/" in uri:
             raise OSError(errno.ENOSPC, "No space left on device", uri)
         write(uri, data)
 
-    monkeypatch.setattr(checkpoint_lib.storage, "write_atomic", full_disk)
-    with pytest.raises(checkpoint_lib.CheckpointError) as info:
+    monkeypatch.setattr(storage, "write_atomic", full_disk)
+    with pytest.raises(checkpoints.CheckpointError) as info:
         _save(8, model, optimizer, cfg, run_dir, identity)
     assert re.fullmatch(re.escape(
         f"checkpoint {run_dir}/checkpoint_00000008: save failed (OSError: [Errno 28] No space left on device: "
         f"'{run_dir}/checkpoint_00000008/rng/rank00000.pt'); the partial checkpoint was removed; {run_dir} has ")
         + r"\d+\.\d GB free", str(info.value)), str(info.value)
-    assert [s for s, _, _ in checkpoint_lib.list_checkpoints(run_dir)] == [4]
+    assert [s for s, _, _ in checkpoints.list_checkpoints(run_dir)] == [4]
 
 
 def test_resume_refuses_another_run_naming_the_field(tmp_path, single_process):
@@ -501,15 +503,15 @@ def test_resume_refuses_another_run_naming_the_field(tmp_path, single_process):
     model, optimizer, identity = _save_steps(cfg, run_dir, (4,))
     uri = f"{run_dir}/checkpoint_00000004"
     changed = {**identity, "seed": 1, "data": "other", "global_batch": 8}
-    with pytest.raises(checkpoint_lib.CheckpointError) as info:
-        checkpoint_lib.restore(uri, model, optimizer, cfg, changed)
+    with pytest.raises(checkpoints.CheckpointError) as info:
+        resume.restore(uri, model, optimizer, cfg, changed)
     message = str(info.value)
     assert "data: differs" in message and "train.seed: checkpoint 0, now 1" in message
     assert "global batch (train.micro_batch_size x train.grad_accum_steps x workers): checkpoint 4, now 8" in message
     assert "checkpoint.allow_changes: [data, seed, global_batch]" in message
     lenient = _config(tmp_path, "same", scaling={"num_workers": 1},
                       checkpoint={"allow_changes": ["data", "seed", "global_batch"]})
-    assert checkpoint_lib.restore(uri, model, optimizer, lenient, changed)["step"] == 4
+    assert resume.restore(uri, model, optimizer, lenient, changed)["step"] == 4
 
 
 def test_run_identity_follows_content_not_paths():
@@ -517,10 +519,10 @@ def test_run_identity_follows_content_not_paths():
                    "validation": {"none": True}, "tokenizer": {"sha256": "t"}, "packing": True, "seq_len": 64}
     cfg = config_lib.load_dict(tiny_run_config(Path("/tmp")))
     moved = json.loads(json.dumps(fingerprint).replace("/a/", "/b/"))
-    assert checkpoint_lib.run_identity(cfg, 2, fingerprint) == checkpoint_lib.run_identity(cfg, 2, moved)
+    assert checkpoints.run_identity(cfg, 2, fingerprint) == checkpoints.run_identity(cfg, 2, moved)
     edited = json.loads(json.dumps(fingerprint).replace('"1"', '"2"'))
-    assert checkpoint_lib.run_identity(cfg, 2, edited)["data"] != checkpoint_lib.run_identity(cfg, 2, fingerprint)["data"]
-    assert checkpoint_lib.run_identity(cfg, 2, fingerprint)["global_batch"] == 8
+    assert checkpoints.run_identity(cfg, 2, edited)["data"] != checkpoints.run_identity(cfg, 2, fingerprint)["data"]
+    assert checkpoints.run_identity(cfg, 2, fingerprint)["global_batch"] == 8
 
 
 def test_torchrun_layout_on_object_storage(tmp_path, single_process):
@@ -531,20 +533,20 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
     run_dir = "memory://runs/mem"
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    checkpointer = writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     for step in (4, 8, 12):
         rng = torch.get_rng_state()
         checkpointer.save(step, model, optimizer)  # finishes the previous save first
-    assert checkpoint_lib.latest_complete(run_dir) == f"{run_dir}/checkpoint_00000008"  # 12 is still in flight
+    assert checkpoints.latest_complete(run_dir) == f"{run_dir}/checkpoint_00000008"  # 12 is still in flight
     checkpointer.finish()
     checkpointer.close()
-    assert [(s, ok) for s, _, ok in checkpoint_lib.list_checkpoints(run_dir)] == [(8, True), (12, True)]
-    assert checkpoint_lib.find_resume_point(cfg, run_dir) == (f"{run_dir}/checkpoint_00000012", [])
+    assert [(s, ok) for s, _, ok in checkpoints.list_checkpoints(run_dir)] == [(8, True), (12, True)]
+    assert resume.find_resume_point(cfg, run_dir) == (f"{run_dir}/checkpoint_00000012", [])
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.manual_seed(123)
     fresh_model, fresh_optimizer = _sharded_model(_config(tmp_path, "mem", scaling={"num_workers": 1},
                                                           train={"seed": 5}))
-    state = checkpoint_lib.restore(f"{run_dir}/checkpoint_00000012", fresh_model, fresh_optimizer, cfg, identity)
+    state = resume.restore(f"{run_dir}/checkpoint_00000012", fresh_model, fresh_optimizer, cfg, identity)
     assert state["step"] == 12
     for key, value in fresh_model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
@@ -553,7 +555,7 @@ def test_torchrun_layout_on_object_storage(tmp_path, single_process):
 
 def _shm_free() -> int:
     try:
-        st = os.statvfs(checkpoint_writer.SHARED_MEMORY)
+        st = os.statvfs(writer.SHARED_MEMORY)
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
@@ -570,9 +572,9 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
     run_dir = str(tmp_path / "runs" / "proc")
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
-    writer = checkpointer.prepare(model)  # before the first step, as the loop does
-    assert writer["writer"] == "process" and writer["bytes"] > 0
+    checkpointer = writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    chosen = checkpointer.prepare(model)  # before the first step, as the loop does
+    assert chosen["writer"] == "process" and chosen["bytes"] > 0
     model(**_batch())[0].backward()
     optimizer.step()
     checkpointer.save(2, model, optimizer)
@@ -594,12 +596,12 @@ def test_writer_process_saves_what_restores_exactly_and_ends_with_the_checkpoint
         process.join(timeout=30)
         assert not process.is_alive()
     uri = f"{run_dir}/checkpoint_00000004"
-    assert checkpoint_lib.verify(uri) == []
+    assert checkpoints.verify(uri) == []
     fresh_model, fresh_optimizer = _sharded_model(_config(tmp_path, "proc", scaling={"num_workers": 1},
                                                           train={"seed": 5}))
     fresh_model(**_batch())[0].backward()
     fresh_optimizer.step()
-    assert checkpoint_lib.restore(uri, fresh_model, fresh_optimizer, cfg, identity)["step"] == 4
+    assert resume.restore(uri, fresh_model, fresh_optimizer, cfg, identity)["step"] == 4
     for key, value in fresh_model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), expected[key].full_tensor(), rtol=0, atol=0)
 
@@ -618,16 +620,16 @@ def test_a_save_staged_on_the_device_holds_its_steps_state_while_training_goes_o
     run_dir = str(tmp_path / "runs" / "dev")
     model, optimizer = _sharded_model(cfg, fsdp)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    monkeypatch.setattr(checkpoint_writer, "choose_staging", lambda device, need: {"on": "device", "bytes": need})
+    monkeypatch.setattr(writer, "choose_staging", lambda device, need: {"on": "device", "bytes": need})
     stepped = threading.Event()
-    real_stage = checkpoint_writer.HostStager.stage
+    real_stage = staging.HostStager.stage
 
     def stage_after_the_next_step(self, state_dict, after=None):
         assert stepped.wait(timeout=60)
         return real_stage(self, state_dict, after)
 
-    monkeypatch.setattr(checkpoint_writer.HostStager, "stage", stage_after_the_next_step)
-    checkpointer = checkpoint_writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
+    monkeypatch.setattr(staging.HostStager, "stage", stage_after_the_next_step)
+    checkpointer = writer.Checkpointer(cfg, run_dir, torch.device("cpu"), identity)
     model(**_batch())[0].backward()
     optimizer.step()
     checkpointer.save(4, model, optimizer)
@@ -640,8 +642,8 @@ def test_a_save_staged_on_the_device_holds_its_steps_state_while_training_goes_o
     stepped.set()
     checkpointer.wait_device_copy()
     assert checkpointer.device_copy is None
-    staging = checkpointer.finish()["staging"]
-    assert staging["on"] == "device" and staging["bytes"] == checkpointer.staging["bytes"] and staging["populate_s"] >= 0
+    staged = checkpointer.finish()["staging"]
+    assert staged["on"] == "device" and staged["bytes"] == checkpointer.staging["bytes"] and staged["populate_s"] >= 0
     checkpointer.save(8, model, optimizer, last=True)  # the run's last step: the state itself, no copy held
     assert checkpointer.device_copy_released.is_set()
     checkpointer.finish()
@@ -651,26 +653,26 @@ def test_a_save_staged_on_the_device_holds_its_steps_state_while_training_goes_o
                                                               train={"seed": 5}), fsdp)
         fresh_model(**_batch())[0].backward()
         fresh_optimizer.step()
-        checkpoint_lib.restore(f"{run_dir}/checkpoint_{step:08d}", fresh_model, fresh_optimizer, cfg, identity)
+        resume.restore(f"{run_dir}/checkpoint_{step:08d}", fresh_model, fresh_optimizer, cfg, identity)
         for key, value in fresh_model.state_dict().items():
             torch.testing.assert_close(value, expected[key], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("writer", ["process", "thread"])
-def test_host_buffers_are_faulted_in_beside_the_steps_before_the_first_save(tmp_path, single_process, writer):
+@pytest.mark.parametrize("writer_kind", ["process", "thread"])
+def test_host_buffers_are_faulted_in_beside_the_steps_before_the_first_save(tmp_path, single_process, writer_kind):
     """`prepare_staging` (after the first step) creates the host buffers, in shared memory for the writer process,
     and the write thread faults every page of them in before any save: the first save then copies into resident
     memory (on a GPU: page-locks it, ~0.85 s per 18.5 GB, instead of ~10 s of page faults) into those buffers."""
     import ctypes
     import mmap
 
-    if writer == "process" and _shm_free() < 256 << 20:
+    if writer_kind == "process" and _shm_free() < 256 << 20:
         pytest.skip("needs /dev/shm with 256 MiB free (the writer process stages there)")
     cfg = _config(tmp_path, "reserve", scaling={"num_workers": 1},
-                  checkpoint={"async_save": True, "async_writer": writer})
+                  checkpoint={"async_save": True, "async_writer": writer_kind})
     model, optimizer = _sharded_model(cfg)
     identity = {"tokenizer": "t", "data": "d", "seq_len": 64, "seed": 0, "global_batch": 4}
-    checkpointer = checkpoint_writer.Checkpointer(cfg, str(tmp_path / "runs" / "reserve"), torch.device("cpu"), identity)
+    checkpointer = writer.Checkpointer(cfg, str(tmp_path / "runs" / "reserve"), torch.device("cpu"), identity)
     checkpointer.prepare(model)
     model(**_batch())[0].backward()
     optimizer.step()
@@ -678,7 +680,7 @@ def test_host_buffers_are_faulted_in_beside_the_steps_before_the_first_save(tmp_
     assert checkpointer.staging["on"] == "host"
     checkpointer.stager.populated.result(timeout=60)
     buffers = checkpointer.stager.buffers
-    assert buffers and all(b.is_shared() == (writer == "process") for b in buffers.values())
+    assert buffers and all(b.is_shared() == (writer_kind == "process") for b in buffers.values())
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     for buffer in buffers.values():
@@ -691,8 +693,8 @@ def test_host_buffers_are_faulted_in_beside_the_steps_before_the_first_save(tmp_
         assert all(byte & 1 for byte in resident.raw), "a page of a reserved buffer is not resident"
     reserved = {path: b.data_ptr() for path, b in buffers.items()}
     checkpointer.save(1, model, optimizer)
-    staging = checkpointer.finish()["staging"]
-    assert staging["populate_s"] >= 0 and staging["waited_s"] >= 0
+    staged = checkpointer.finish()["staging"]
+    assert staged["populate_s"] >= 0 and staged["waited_s"] >= 0
     assert {path: b.data_ptr() for path, b in checkpointer.stager.buffers.items()} == reserved
     checkpointer.close()
 
@@ -705,9 +707,9 @@ def test_saves_stage_on_the_device_only_with_room_beside_the_training_peak(monke
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 50 * gb)  # 10 GB held elsewhere
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 55 * gb)
     gpu = torch.device("cuda", 0)
-    assert checkpoint_writer.choose_staging(gpu, 30 * gb) == {"on": "device", "bytes": 30 * gb, "spare_bytes": 30 * gb}
-    assert checkpoint_writer.choose_staging(gpu, 30 * gb + 1)["on"] == "host"
-    assert checkpoint_writer.choose_staging(torch.device("cpu"), 1)["on"] == "host"
+    assert staging.choose_staging(gpu, 30 * gb) == {"on": "device", "bytes": 30 * gb, "spare_bytes": 30 * gb}
+    assert staging.choose_staging(gpu, 30 * gb + 1)["on"] == "host"
+    assert staging.choose_staging(torch.device("cpu"), 1)["on"] == "host"
 
 
 @pytest.mark.parametrize("fsdp", ["always", "auto"])
@@ -723,12 +725,12 @@ def test_the_first_saves_layout_is_known_before_the_first_step(tmp_path, single_
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     model, optimizer = _sharded_model(_config(tmp_path, "layout", parallel=parallel), fsdp)
-    predicted = checkpoint_writer.first_save_layout(model)
+    predicted = writer.first_save_layout(model)
     assert not optimizer.state
     model(**_batch())[0].backward()
     optimizer.step()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    assert predicted == checkpoint_writer.tensor_layout({"model": model_sd, "optim": optim_sd})
+    assert predicted == staging.tensor_layout({"model": model_sd, "optim": optim_sd})
 
 
 def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monkeypatch):
@@ -736,7 +738,7 @@ def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monke
     `auto` takes the writer thread and says why, `thread` never looks."""
     cfg = _config(tmp_path, "shm", scaling={"num_workers": 1})
     model, optimizer = _sharded_model(cfg)
-    layout = checkpoint_writer.tensor_layout(model.state_dict())
+    layout = staging.tensor_layout(model.state_dict())
     need = sum(shape.numel() * dtype.itemsize for shape, dtype in layout.values())
     real_statvfs = os.statvfs
 
@@ -746,18 +748,18 @@ def test_writer_process_needs_shared_memory_room(tmp_path, single_process, monke
 
     monkeypatch.setattr(os, "statvfs", small_shm)
     group = torch.distributed.new_group(backend="gloo")
-    with pytest.raises(checkpoint_lib.CheckpointError) as info:
-        checkpoint_writer.choose_writer("process", layout, group)
+    with pytest.raises(checkpoints.CheckpointError) as info:
+        writer.choose_writer("process", layout, group)
     assert str(info.value) == (
         f"checkpoint.async_writer: process: this node's 1 worker(s) stage {need / 1e9:.2f} GB of checkpoint state, "
         "and /dev/shm has 0.00 GB free. Give the pods more shared memory (the chart's shm.sizeLimit, within the "
         "pods' memory limit) or set checkpoint.async_writer: thread")
-    auto = checkpoint_writer.choose_writer("auto", layout, group)
+    auto = writer.choose_writer("auto", layout, group)
     assert auto["writer"] == "thread" and auto["reason"].startswith("checkpoint.async_writer: auto, and this node's")
-    assert checkpoint_writer.choose_writer("thread", layout, group)["writer"] == "thread"
+    assert writer.choose_writer("thread", layout, group)["writer"] == "thread"
     monkeypatch.setattr(os, "statvfs", real_statvfs)
     if _shm_free() > need:
-        assert checkpoint_writer.choose_writer("auto", layout, group)["writer"] == "process"
+        assert writer.choose_writer("auto", layout, group)["writer"] == "process"
 
 
 def test_fault_injection_settings_are_checked():

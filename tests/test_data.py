@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from job.common import sources
 from job.worker import data as data_lib
 from job.worker.data import IGNORE_INDEX, TokenStream
 
@@ -73,11 +74,11 @@ def test_builtin_corpus_and_missing_source():
 
     # The corpus is the running Python's pydoc_data, so its size varies by version: only its order of magnitude
     # and its fingerprint are fixed.
-    rows = data_lib.load_source(SourceConfig("builtin:python-docs"), "data.train")
+    rows = sources.load_source(SourceConfig("builtin:python-docs"), "data.train")
     assert sum(len(text) for _, text in rows.rows) > 300_000 and len(rows.info["sha256"]) == 64
     assert rows.info["python"] == sys.version.split()[0]
-    with pytest.raises(data_lib.DataError, match="^data.train: source not found: /nonexistent/corpus.txt$"):
-        data_lib.load_source(SourceConfig("/nonexistent/corpus.txt"), "data.train")
+    with pytest.raises(sources.DataError, match="^data.train: source not found: /nonexistent/corpus.txt$"):
+        sources.load_source(SourceConfig("/nonexistent/corpus.txt"), "data.train")
 
 
 @pytest.mark.parametrize("pad, eos, expected", [(7, 3, 7), (None, 3, 3), (None, None, 0), (0, 3, 0)])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from job.worker import evaluate as E
+from job.worker.evaluation import generate, heldout, task
 from tests.conftest import tiny_run_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ needs_gsm8k = pytest.mark.skipif(GSM8K is None, reason="shared GSM8K data not fo
     ("####", None),
 ])
 def test_gsm8k_reference(reference, expected):
-    assert E.gsm8k_reference(reference) == expected
+    assert task.gsm8k_reference(reference) == expected
 
 
 @pytest.mark.parametrize("generated, expected", [
@@ -43,11 +43,11 @@ def test_gsm8k_reference(reference, expected):
     ("", None),
 ])
 def test_gsm8k_prediction(generated, expected):
-    assert E.gsm8k_prediction(generated) == expected
+    assert task.gsm8k_prediction(generated) == expected
 
 
 def exact(generated, reference):
-    return E.score("gsm8k", generated, reference)[1]
+    return task.score("gsm8k", generated, reference)[1]
 
 
 def test_gsm8k_exact_match_hand_checked():
@@ -64,7 +64,7 @@ def test_gsm8k_exact_match_hand_checked():
 def test_gsm8k_references_all_parse_and_match_themselves():
     with open(GSM8K / "test.jsonl") as f:
         answers = [json.loads(line)["answer"] for line in f]
-    assert all(E.gsm8k_reference(a) is not None for a in answers)
+    assert all(task.gsm8k_reference(a) is not None for a in answers)
     assert all(exact(a, a) for a in answers)
 
 
@@ -73,14 +73,14 @@ def test_gsm8k_references_all_parse_and_match_themselves():
 
 @pytest.mark.parametrize("n, world", [(10, 2), (7, 2), (5, 3), (1, 2)])
 def test_rank_slots_equal_length_and_cover_every_item_once(n, world):
-    slots = [E._rank_slots(n, r, world) for r in range(world)]
+    slots = [heldout._rank_slots(n, r, world) for r in range(world)]
     assert len({len(index) for index, _ in slots}) == 1  # same number of held-out batches on every rank
     real = sorted(i for index, weight in slots for i, w in zip(index, weight) if w)
     assert real == list(range(n))
 
 
 def test_left_pad():
-    ids, mask = E.left_pad([[5, 6, 7], [8]], pad_id=0)
+    ids, mask = generate.left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
@@ -92,7 +92,7 @@ class FixedAnswers:
         self.calls = []
 
     def __call__(self, lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
-        from job.worker.generate import Generated
+        from job.worker.evaluation.generate import Generated
 
         assert (attention_mask[:, -1] == 1).all()  # left padded
         assert eos_token_id is not None  # stops at EOS
@@ -104,18 +104,18 @@ class FixedAnswers:
 def test_task_evaluate_deals_items_round_robin_and_scores_each_once(monkeypatch):
     from types import SimpleNamespace
 
-    from job.worker import data as D
+    from job.common import sources
 
-    tok = D.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: #### 7"] * 5, 300)
+    tok = sources.train_bpe_tokenizer(["Question: what is 3 + 4?\nAnswer: #### 7"] * 5, 300)
     items = [{"question": f"q{i}", "prompt": f"Question: {i}\nAnswer: ", "reference": f"#### {7 if i % 2 else 8}"}
              for i in range(7)]
     cfg = SimpleNamespace(task="gsm8k", task_max_examples=0, task_batch_size=2, task_max_new_tokens=12, task_log_examples=2)
-    monkeypatch.setattr(E.dist, "all_reduce", lambda t: None)  # one rank's view; the sum is checked below
+    monkeypatch.setattr(task.dist, "all_reduce", lambda t: None)  # one rank's view; the sum is checked below
     records, answers = [], []
     for rank in range(2):
         answers.append(FixedAnswers(tok))
-        monkeypatch.setattr(E, "greedy_generate", answers[-1])
-        records.append(E.task_evaluate(None, tok, items, cfg, rank, 2, torch.device("cpu"), step=5))
+        monkeypatch.setattr(task, "greedy_generate", answers[-1])
+        records.append(task.task_evaluate(None, tok, items, cfg, rank, 2, torch.device("cpu"), step=5))
     assert answers[0].calls == [2, 2] and answers[1].calls == [2, 1]  # items 0,2,4,6 and 1,3,5: no padding slots
     assert records[0]["n"] + records[1]["n"] == 7
     correct = sum(r["exact_match"] * r["n"] for r in records)
@@ -170,7 +170,7 @@ def test_two_worker_gsm8k_run_lowers_held_out_loss_and_scores_the_task(tmp_path,
 
 @pytest.mark.parametrize("n_blocks, world, mb", [(10, 2, 4), (7, 3, 2), (1, 2, 4)])
 def test_eval_batches_are_full_and_cover_every_block_once(n_blocks, world, mb):
-    per_rank = [E.eval_batches(n_blocks, rank, world, mb, 0) for rank in range(world)]
+    per_rank = [heldout.eval_batches(n_blocks, rank, world, mb, 0) for rank in range(world)]
     assert len({len(batches) for batches in per_rank}) == 1  # the same number of forwards on every rank
     assert all(len(index) == len(real) == mb for batches in per_rank for index, real in batches)
     real = sorted(i for batches in per_rank for index, ok in batches for i, r in zip(index, ok) if r)
@@ -190,7 +190,8 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
     from torch.distributed.device_mesh import init_device_mesh
 
     from job import config as config_lib
-    from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
+    from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm
+    from job.worker.model.parallelize import parallelize
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # traced, not built
@@ -201,14 +202,14 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
     try:
         model = parallelize(CausalLMWithLoss(build_causal_lm(cfg.model, 512, 0)), cfg.parallel,
                             init_device_mesh("cpu", (1,)), False)
-        blocks = E.synthetic_heldout(512, 5, 16, seed=0)  # 5 blocks in micro-batches of 2: the last one filled up
+        blocks = heldout.synthetic_heldout(512, 5, 16, seed=0)  # 5 blocks in micro-batches of 2: the last one filled up
         first = blocks.select(torch.arange(2))
         model(input_ids=first.input_ids, labels=first.labels, position_ids=first.position_ids)[0].backward()
         graphs = counters["stats"]["unique_graphs"]
         outputs, alive = [], []  # each forward's loss; how many earlier ones are still alive as the next begins
         model.register_forward_pre_hook(lambda *_: alive.append(sum(ref() is not None for ref in outputs)))
         model.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out[0])))
-        loss = E.evaluate(model, blocks, cfg, 0, 1, torch.device("cpu"))
+        loss = heldout.evaluate(model, blocks, cfg, 0, 1, torch.device("cpu"))
         assert alive == [0, 0, 0]  # 3 micro-batches, and no batch's graph (activations) outlives it
         assert (counters["stats"]["unique_graphs"] == graphs) == (dropout == 0.0)
         assert model.training and all(p.grad is not None for p in model.parameters())  # left as training found it
@@ -223,10 +224,10 @@ def test_heldout_eval_runs_the_training_steps_compiled_graph(tmp_path, monkeypat
 def test_generated_lengths_count_up_to_the_first_eos_and_quantiles_name_the_tail():
     eos = 2
     new = torch.tensor([[5, 2, 0, 0], [5, 5, 5, 2], [5, 5, 5, 5], [2, 2, 0, 0]])
-    assert E.generated_lengths(new, eos) == [2, 4, 4, 1]
-    assert E.generated_lengths(new, None) == [4, 4, 4, 4]
-    assert E.length_quantiles(list(range(1, 101))) == {"p50": 51, "p90": 91, "p99": 100, "max": 100}
-    assert E.length_quantiles([]) == {}
+    assert generate.generated_lengths(new, eos) == [2, 4, 4, 1]
+    assert generate.generated_lengths(new, None) == [4, 4, 4, 4]
+    assert task.length_quantiles(list(range(1, 101))) == {"p50": 51, "p90": 91, "p99": 100, "max": 100}
+    assert task.length_quantiles([]) == {}
 
 
 # ---- the task baseline beside the first held-out evaluation -----------------------------------------------------------
@@ -242,17 +243,17 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def _baseline_run(tmp_path, records):
-    """What `task_eval.start_baseline`, `baseline_at_step_0` and `finish_task_eval` read of a `run.Run`: a tiny random
-    Qwen2 (`model`, not sharded), BPE-tokenized GSM8K-style items, on CPU."""
+def _baseline_part(tmp_path, records, rank=0, world=1):
+    """A `TaskEvaluation` of a tiny random Qwen2 (not sharded) on BPE-tokenized GSM8K-style items, on CPU, logging
+    into `records`."""
     from types import SimpleNamespace
 
-    from job.worker import data as D
+    from job.common import sources
     from job.worker.metrics import Timeline
-    from job.worker.model import CausalLMWithLoss
+    from job.worker.model.causal_lm import CausalLMWithLoss
     from tests.test_generate import tiny_lm
 
-    tok = D.train_bpe_tokenizer([f"Question: what is {i} + 4?\nAnswer: #### {i + 4}" for i in range(20)], 64)
+    tok = sources.train_bpe_tokenizer([f"Question: what is {i} + 4?\nAnswer: #### {i + 4}" for i in range(20)], 64)
     items = [{"question": f"q{i}", "prompt": f"Question: what is {i} + 4?\nAnswer: ", "reference": f"#### {i + 4}"}
              for i in range(5)]
     cfg = SimpleNamespace(eval=SimpleNamespace(task="gsm8k", task_max_examples=0, task_batch_size=2,
@@ -260,23 +261,22 @@ def _baseline_run(tmp_path, records):
     lm = tiny_lm(vocab_size=len(tok))
     lm.config.eos_token_id = tok.eos_token_id
     device = torch.device("cpu")
-    return SimpleNamespace(cfg=cfg, tokenizer=tok, task_items=items, rank=0, world=1, device=device,
-                           timeline=Timeline(0.0, device), task_results=[], log=records.append,
-                           model=CausalLMWithLoss(lm), baseline=None)
+    worker = SimpleNamespace(cfg=cfg, device=device, rank=rank, world=world, bf16=False,
+                             timeline=Timeline(0.0, device), log=records.append)
+    return task.TaskEvaluation(worker, CausalLMWithLoss(lm), None, tok, items, start_step=0, baseline=None)
 
 
 def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_path, monkeypatch, one_rank):
     """`start_baseline` decodes on a copy of the not yet sharded model in a thread while the main thread works
-    (the data's tokenizing); `finish_task_eval` charges the `task_eval` phase only the wait. Without it (no room
+    (the data's tokenizing); `finish_pending` charges the `task_eval` phase only the wait. Without it (no room
     beside), `baseline_at_step_0` decodes at once, inside the phase: the same record either way."""
     import threading
-
-    from job.worker import task_eval
+    from types import SimpleNamespace
 
     records = []
-    run = _baseline_run(tmp_path, records)
+    part = _baseline_part(tmp_path, records)
     threads, decoded = [], threading.Event()
-    decode = task_eval.task_decode
+    decode = task.task_decode
 
     def task_decode(*args):
         threads.append(threading.current_thread())
@@ -284,40 +284,41 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
         decoded.set()
         return share
 
-    monkeypatch.setattr(task_eval, "task_decode", task_decode)
-    pending = task_eval.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, 0, 1, run.device, bf16=False)
+    monkeypatch.setattr(task, "task_decode", task_decode)
+    pending = task.start_baseline(part.model, part.tokenizer, part.items, part.worker.cfg, 0, 1, part.worker.device,
+                                  bf16=False)
     assert pending.background and decoded.wait(timeout=300)  # the data would be tokenized meanwhile
-    task_eval.finish_task_eval(run, 0, pending)
+    state = SimpleNamespace(task_results=[])
+    part.finish_pending(state, 0, pending)
 
     (record,) = records
     assert threads[0] is not threading.main_thread()
     assert record["kind"] == "task_eval" and record["step"] == 0 and record["n"] == 5 and len(record["examples"]) == 5
     assert record["decode"] == "eager" and record["decode_steps"] > 0
-    assert record["seconds"] > 0 and run.task_results == [record]
+    assert record["seconds"] > 0 and state.task_results == [record]
     # Done before the wait: all of it overlapped, and the phase holds none of it.
     assert record["overlapped_s"] == pytest.approx(record["seconds"], abs=0.05)
-    assert run.timeline.seconds["task_eval"] < 0.5
+    timeline = part.worker.timeline
+    assert timeline.seconds["task_eval"] < 0.5
 
-    run.baseline = pending
-    monkeypatch.setattr(task_eval, "unsharded_copy", lambda r: pytest.fail("gathered a copy"))
-    assert task_eval.baseline_at_step_0(run) is pending and len(threads) == 1  # nothing gathered, nothing decoded
+    part.baseline = pending
+    monkeypatch.setattr(part, "copy", lambda: pytest.fail("gathered a copy"))
+    assert part.baseline_at_step_0() is pending and len(threads) == 1  # nothing gathered, nothing decoded
     records.clear()
-    monkeypatch.setattr(task_eval, "unsharded_copy", lambda r: r.model.lm)
-    run.baseline = None
-    task_eval.finish_task_eval(run, 0, task_eval.baseline_at_step_0(run))
+    monkeypatch.setattr(part, "copy", lambda: part.model.lm)
+    part.baseline = None
+    part.finish_pending(state, 0, part.baseline_at_step_0())
     assert threads[1] is threading.main_thread()
-    assert records[0]["overlapped_s"] == 0.0 and run.timeline.seconds["task_eval"] >= records[0]["seconds"]
+    assert records[0]["overlapped_s"] == 0.0 and timeline.seconds["task_eval"] >= records[0]["seconds"]
     same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "overlapped_s")}  # noqa: E731
     assert same(records[0]) == same(record)
 
 
 def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_headroom(tmp_path, monkeypatch):
-    from job.worker import task_eval
-
-    run = _baseline_run(tmp_path, [])
-    lm, cuda = run.model.lm, torch.device("cuda", 0)  # only a name here: the memory figures are the patched ones
+    part = _baseline_part(tmp_path, [])
+    lm, cuda = part.model.lm, torch.device("cuda", 0)  # only a name here: the memory figures are the patched ones
     config = lm.config
-    longest = max(len(run.tokenizer(x["prompt"], add_special_tokens=False)["input_ids"]) for x in run.task_items)
+    longest = max(len(part.tokenizer(x["prompt"], add_special_tokens=False)["input_ids"]) for x in part.items)
     # Batches of 2: per layer, keys and values of 2 rows x (prompt + 20 new tokens) x kv heads x head dim, fp32.
     cache = 2 * config.num_hidden_layers * 2 * (longest + 20) * config.num_key_value_heads * \
         (config.hidden_size // config.num_attention_heads) * 4
@@ -325,8 +326,8 @@ def test_a_background_decoding_needs_room_for_twice_its_kv_cache_beside_the_head
     cached_unused = 3 * cache  # held by the caching allocator, free to reuse
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * cache)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * cache - cached_unused)
-    needed = 2 * cache + task_eval.DECODE_HEADROOM * total
-    room = lambda device: task_eval.room_to_decode_beside(device, lm, run.tokenizer, run.task_items, run.cfg.eval, 0, 1)  # noqa: E731
+    needed = 2 * cache + task.DECODE_HEADROOM * total
+    room = lambda device: task.room_to_decode_beside(device, lm, part.tokenizer, part.items, part.cfg, 0, 1)  # noqa: E731
     for free, fits in ((needed - cached_unused, True), (needed - cached_unused - 1, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, total))
         assert room(cuda) is fits
@@ -340,31 +341,29 @@ def _baseline_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     import json
     import os
     from pathlib import Path
+    from types import SimpleNamespace
 
     import torch.distributed as dist
-
-    from job.worker import task_eval
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         records = []
-        run = _baseline_run(Path(out_dir), records)
-        run.rank, run.world = rank, world
+        part = _baseline_part(Path(out_dir), records, rank, world)
         if rank == 0:
-            run.baseline = task_eval.start_baseline(run.model, run.tokenizer, run.task_items, run.cfg, rank, world,
-                                                run.device, bf16=False)
+            part.baseline = task.start_baseline(part.model, part.tokenizer, part.items, part.worker.cfg, rank, world,
+                                                part.worker.device, bf16=False)
         gathered = []
 
-        def unsharded_copy(r):
+        def copy():
             dist.all_reduce(torch.ones(1))
             gathered.append(rank)
-            return r.model.lm
+            return part.model.lm
 
-        task_eval.unsharded_copy = unsharded_copy
-        pending = task_eval.baseline_at_step_0(run)
-        task_eval.finish_task_eval(run, 0, pending)
+        part.copy = copy
+        pending = part.baseline_at_step_0()
+        part.finish_pending(SimpleNamespace(task_results=[]), 0, pending)
         out = {"gathered": len(gathered), "background": pending.background, "n": records[0]["n"]}
     finally:
         dist.destroy_process_group()

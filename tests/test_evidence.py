@@ -1,11 +1,11 @@
 """Tests of job/records/nccl.py (NCCL log parsing), job/records/preflight.py (preflight on gloo), job/records/environment.py (worker
-inventory, pod image) and job/records/evidence.py (run record, compare)."""
+inventory, pod image) and job/records/run_record.py (run record) and job/commands/compare.py."""
 
 import copy
 import datetime
 import http.server
-import json
 import importlib.metadata
+import json
 import os
 import socket
 import threading
@@ -15,12 +15,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from job.records import environment as environment_lib
-from job.records import compare, evidence, nccl, preflight
+from job.commands import compare
 from job.config import ExpectConfig
+from job.records import environment as environment_lib
+from job.records import nccl, preflight, run_record
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
-SCHEMA = json.loads(Path(evidence.schema_path()).read_text())
+SCHEMA = json.loads(Path(run_record.schema_path()).read_text())
 DIGEST_RAY = "sha256:" + "ab" * 32
 DIGEST_SIDECAR = "sha256:" + "cd" * 32
 
@@ -174,8 +175,8 @@ def _preflight_worker(rank, world, port, out_dir, hostnames, bad_expect):
     import torch
     import torch.distributed as dist
 
-    from job.records import preflight
     from job.config import ExpectConfig, PreflightConfig
+    from job.records import preflight
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -391,7 +392,7 @@ def test_run_record_with_fake_kubernetes(fake_api, tmp_path):
     env = {"POD_NAMESPACE": "ml", "POD_NAME": "ft-worker-0"}
     pods = [environment_lib.pod_image(api_url=fake_api["url"], token_path=fake_api["token"], env=env)]
     run_dir = tmp_path / "runs" / "demo"
-    record = evidence.start_record(str(run_dir), config={"train": {"lr": 1e-4}}, config_text="train:\n  lr: 0.0001\n",
+    record = run_record.start_record(str(run_dir), config={"train": {"lr": 1e-4}}, config_text="train:\n  lr: 0.0001\n",
                                    seed=3, pods=pods, env=CHART_ENV)
     validate(record)
     on_disk = json.loads((run_dir / "run.json").read_text())
@@ -421,7 +422,7 @@ def test_run_record_local_run_unknowns(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     run_dir = tmp_path / "runs" / "local-demo"
     text = "model:\n  name_or_path: tiny\ntrain:\n  lr: 0.0001\n"
-    record = evidence.start_record(str(run_dir), config={"model": {"name_or_path": "tiny"}, "train": {"lr": 1e-4}},
+    record = run_record.start_record(str(run_dir), config={"model": {"name_or_path": "tiny"}, "train": {"lr": 1e-4}},
                                    config_text=text, seed=0)
     validate(record)
     assert record["runtime_env"] == {"requested": {}, "requirements": [], "installed_at_start": False, "packages": {},
@@ -437,9 +438,9 @@ def test_run_record_local_run_unknowns(tmp_path, monkeypatch):
     assert record["packages"]["torch"] and "packages" not in record["workers"][0]["environment"]
 
     _metrics(run_dir)
-    evidence.update_record(str(run_dir), record, dataset={"source": "tiny.jsonl", "sha256": "0" * 64},
+    run_record.update_record(str(run_dir), record, dataset={"source": "tiny.jsonl", "sha256": "0" * 64},
                            tokenizer_sha256="1" * 64, typo_key=1)
-    final = evidence.finish_record(str(run_dir), record, evaluation={"arith": {"exact_match": 0.5}},
+    final = run_record.finish_record(str(run_dir), record, evaluation={"arith": {"exact_match": 0.5}},
                                    checkpoints={"dir": str(run_dir / "checkpoints")}, export={"path": "hf/"})
     validate(final)
     on_disk = json.loads((run_dir / "run.json").read_text())
@@ -452,7 +453,7 @@ def test_run_record_local_run_unknowns(tmp_path, monkeypatch):
     assert m["task_eval"] == {"arith": {"step": 10, "exact_match": 0.5, "n": 20}}
     assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "run.json"]  # no temp files left behind
 
-    failed = evidence.finish_record(str(run_dir), copy.deepcopy(record), status="failed", error=ValueError("boom"))
+    failed = run_record.finish_record(str(run_dir), copy.deepcopy(record), status="failed", error=ValueError("boom"))
     validate(failed)
     assert failed["error"] == {"class": "unknown", "reason": "exception", "message": "ValueError: boom",
                                "exception": "ValueError", "step": None, "rank": None}
@@ -473,10 +474,10 @@ def _two_runs(tmp_path, monkeypatch):
     _metrics(a_dir)
     config = {"name": "a", "train": {"lr": 1e-4, "max_steps": 10}, "data": {"source": "x"}}
     pods = [{"digest": DIGEST_RAY, "image": "img"}]
-    rec = evidence.start_record(str(a_dir), config=config, config_text="x", seed=1, pods=pods,
+    rec = run_record.start_record(str(a_dir), config=config, config_text="x", seed=1, pods=pods,
                                 env={"JOB_IMAGE": "img"}, dataset={"sha256": "0" * 64}, tokenizer_sha256="1" * 64)
-    evidence.finish_record(str(a_dir), rec)
-    a = evidence.load_record(str(a_dir))
+    run_record.finish_record(str(a_dir), rec)
+    a = run_record.load_record(str(a_dir))
     b = copy.deepcopy(a)
     b["run_name"], b["config"]["name"] = "b", "b"  # names differ in every pair of runs: ignored
     b["started_at"] = "2030-01-01T00:00:00+00:00"
@@ -490,7 +491,7 @@ def test_compare_reports_exactly_the_differences(tmp_path, monkeypatch, capsys):
     some_pkg = sorted(b["packages"])[0]
     b["packages"][some_pkg] = "999.0"
     b["metrics"]["final_eval_loss"] = 2.0
-    evidence.write_record(str(b_dir), b)
+    run_record.write_record(str(b_dir), b)
 
     diffs = compare.compare_records(a, b)
     assert diffs["config"] == [("train.lr", 1e-4, 2e-4)]
@@ -518,8 +519,8 @@ def test_compare_image_run_with_runtime_install_run(tmp_path, monkeypatch, capsy
     installed_env = {**environment, "runtime_env": runtime_env_install}
     runs = {}
     for name, environment in (("image", image_env), ("installed", installed_env)):
-        monkeypatch.setattr(evidence, "worker_environment", lambda pod, environment=environment: environment)
-        record = evidence.start_record(str(tmp_path / name), config={"name": name}, config_text="x", seed=1,
+        monkeypatch.setattr(run_record, "worker_environment", lambda pod, environment=environment: environment)
+        record = run_record.start_record(str(tmp_path / name), config={"name": name}, config_text="x", seed=1,
                                        pods=[{"digest": DIGEST_RAY, "image": "img"}], env={"JOB_IMAGE": "img"})
         validate(record)
         runs[name] = record
@@ -547,7 +548,7 @@ def test_compare_image_run_with_runtime_install_run(tmp_path, monkeypatch, capsy
 def test_compare_identical_and_bad_input(tmp_path, monkeypatch, capsys):
     a_dir, b_dir, a, b = _two_runs(tmp_path, monkeypatch)
     b["metrics"]["mfu"] = 0.5  # results may differ; environments are still identical
-    evidence.write_record(str(b_dir), b)
+    run_record.write_record(str(b_dir), b)
     assert compare.main([str(a_dir), str(b_dir)]) == 0
     out = capsys.readouterr().out
     assert "verdict: environments identical" in out and "mfu: 0.4 -> 0.5" in out
@@ -571,11 +572,11 @@ def test_record_and_compare_on_a_remote_filesystem(tmp_path, monkeypatch, capsys
     base = f"memory://evidence-test-{os.getpid()}"
     pods = [{"digest": "unknown", "reason": "not running in Kubernetes"}]
     for name, lr in (("a", 1e-4), ("b", 3e-4)):
-        rec = evidence.start_record(f"{base}/{name}", config={"lr": lr}, config_text=f"lr: {lr}\n", pods=pods, env={})
+        rec = run_record.start_record(f"{base}/{name}", config={"lr": lr}, config_text=f"lr: {lr}\n", pods=pods, env={})
         with fsspec.open(f"{base}/{name}/metrics.jsonl", "w") as f:
             f.write(json.dumps({"kind": "eval", "step": 1, "eval_loss": 2.0}) + "\n")
-        evidence.finish_record(f"{base}/{name}", rec)
-    a = evidence.load_record(f"{base}/a")
+        run_record.finish_record(f"{base}/{name}", rec)
+    a = run_record.load_record(f"{base}/a")
     validate(a)
     assert a["status"] == "succeeded" and a["metrics"]["final_eval_loss"] == 2.0 and a["run_name"] == "a"
     assert compare.main([f"{base}/a", f"{base}/b"]) == 1

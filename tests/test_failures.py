@@ -18,14 +18,17 @@ import pytest
 import yaml
 
 from conftest import REPO, tiny_run_config
-from job.worker import checkpoint as checkpoint_lib
 from job import config as config_lib
-from job.worker import data as data_lib
-from job.records import compare, evidence, failures
+from job import signals
+from job.commands import compare
+from job.common import checkpoints, sources
+from job.driver import launch
+from job.records import failures, run_record
+from job.records import lease as lease_lib
 
 
 def validate(record):
-    with open(evidence.schema_path()) as f:
+    with open(run_record.schema_path()) as f:
         jsonschema.validate(record, json.load(f))
 
 
@@ -56,7 +59,7 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
 
 @pytest.mark.parametrize("exc, expected", [
     (ActorDiedError("worker died"), ("infrastructure", "worker_lost", "ActorDiedError")),
-    (UserExceptionWithTraceback(data_lib.DataError("bad row")), ("data", "exception", "DataError")),
+    (UserExceptionWithTraceback(sources.DataError("bad row")), ("data", "exception", "DataError")),
     (config_lib.ConfigError("train.lr: bad"), ("config", "exception", "ConfigError")),
     (_wrapped(OSError(errno.ENOSPC, "No space left on device")), ("infrastructure", "disk_full", "OSError")),
     (RuntimeError("checkpoint x: save failed (rank 0: OSError: [Errno 28] No space left on device)"),
@@ -67,7 +70,7 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
     (_wrapped(OSError(errno.EDQUOT, "Disk quota exceeded")), ("infrastructure", "disk_full", "OSError")),
     (_wrapped(FileNotFoundError(errno.ENOENT, "no such file")), ("unknown", "exception", "RuntimeError")),
     (KeyboardInterrupt(), ("cancelled", "signal", "KeyboardInterrupt")),
-    (_caused(failures.ClusterLost("controller unreachable"), ActorDiedError("gone")),
+    (_caused(launch.ClusterLost("controller unreachable"), ActorDiedError("gone")),
      ("infrastructure", "cluster_lost", "ClusterLost")),
     (_wrapped(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
                            "[127.0.0.1]:41717")), ("infrastructure", "worker_lost", "RuntimeError")),
@@ -84,10 +87,10 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
                   "ran for 600022 milliseconds before timing out."), ("infrastructure", "nccl", "RuntimeError")),
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
      ("infrastructure", "nccl", "RuntimeError")),
-    (failures.Preempted(14, "/runs/r/checkpoint_00000014", 1), ("infrastructure", "preempted", "Preempted")),
-    (_wrapped(checkpoint_lib.ResumeRefused("checkpoint c: would not continue the same run (train.seed: ...)")),
+    (signals.Preempted(14, "/runs/r/checkpoint_00000014", 1), ("infrastructure", "preempted", "Preempted")),
+    (_wrapped(checkpoints.ResumeRefused("checkpoint c: would not continue the same run (train.seed: ...)")),
      ("config", "resume_refused", "ResumeRefused")),
-    (checkpoint_lib.CheckpointError("run r has checkpoints, but none can be resumed from"),
+    (checkpoints.CheckpointError("run r has checkpoints, but none can be resumed from"),
      ("unknown", "exception", "CheckpointError")),
     (RuntimeError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!"), ("unknown", "exception", "RuntimeError")),
     (ValueError("boom"), ("unknown", "exception", "ValueError")),
@@ -95,7 +98,7 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
 def test_classify_from_the_exception_chain(exc, expected):
     err = failures.describe(exc, step=3, rank=1)
     assert (err["class"], err["reason"], err["exception"]) == expected
-    saved_step = exc.step if isinstance(exc, failures.Preempted) else 3  # a preemption names the step it saved
+    saved_step = exc.step if isinstance(exc, signals.Preempted) else 3  # a preemption names the step it saved
     assert err["step"] == saved_step and err["rank"] == 1 and err["message"]
 
 
@@ -130,13 +133,13 @@ def test_a_gloo_peer_killed_mid_collective_is_worker_lost(tmp_path):
 
 
 def test_non_finite_loss_is_the_model():
-    from job.worker.train import NonFiniteError
+    from job.worker.parts import NonFiniteError
 
     assert failures.classify(NonFiniteError("step 3: loss nan"))[:2] == ("model", "non_finite_loss")
 
 
 def _running_record(run_dir):
-    record = evidence.start_record(str(run_dir), config={"name": "r"}, config_text="name: r\n", seed=0)
+    record = run_record.start_record(str(run_dir), config={"name": "r"}, config_text="name: r\n", seed=0)
     now = time.time()
     rows = [{"kind": "train", "step": s, "time": now + s, "loss": 1.0} for s in (5, 10)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -146,26 +149,26 @@ def _running_record(run_dir):
 def test_stale_heartbeat_record_is_abandoned_on_the_next_start(tmp_path):
     run_dir = tmp_path / "r"
     record = _running_record(run_dir)
-    failures.write_heartbeat(str(run_dir))
-    assert failures.liveness(str(run_dir), record) == "live"
-    assert evidence.abandon_stale(str(run_dir)) is None  # a live driver's record is left alone
-    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=failures.HEARTBEAT_TIMEOUT_S + 1)
-    assert failures.liveness(str(run_dir), record, now=later) == "stale"
+    lease_lib.write_heartbeat(str(run_dir))
+    assert lease_lib.liveness(str(run_dir), record) == "live"
+    assert run_record.abandon_stale(str(run_dir)) is None  # a live driver's record is left alone
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=lease_lib.HEARTBEAT_TIMEOUT_S + 1)
+    assert lease_lib.liveness(str(run_dir), record, now=later) == "stale"
     # A heartbeat older than its timeout: the driver is gone.
     beat = json.loads((run_dir / "heartbeat.json").read_text())
     beat["at"] = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=300)).isoformat(timespec="seconds")
     (run_dir / "heartbeat.json").write_text(json.dumps(beat))
-    abandoned = evidence.abandon_stale(str(run_dir))
+    abandoned = run_record.abandon_stale(str(run_dir))
     validate(abandoned)
-    on_disk = evidence.load_record(str(run_dir))
+    on_disk = run_record.load_record(str(run_dir))
     assert on_disk["status"] == "abandoned" and on_disk["ended_at"]
     assert on_disk["error"]["class"] == "unknown" and on_disk["error"]["reason"] == "driver_lost"
     assert on_disk["error"]["step"] == 10 and on_disk["metrics"]["steps"] == 10
     assert on_disk["config"] == {"name": "r"} and on_disk["started_at"] == record["started_at"]  # what it knew
-    assert evidence.abandon_stale(str(run_dir)) is None  # closed once
+    assert run_record.abandon_stale(str(run_dir)) is None  # closed once
     # No heartbeat at all (torchrun, an older version): never taken for dead.
     other = tmp_path / "o"
-    assert failures.liveness(str(other), _running_record(other)) == "unknown"
+    assert lease_lib.liveness(str(other), _running_record(other)) == "unknown"
     # The schema is not vacuous: an abandoned record without a structured error is rejected.
     for broken in ({**on_disk, "error": "lost"}, {**on_disk, "error": {**on_disk["error"], "class": "x"}},
                    {**on_disk, "error": None}, {**on_disk, "status": "running"}):
@@ -177,7 +180,7 @@ def test_a_preempted_record_names_its_checkpoint_step(tmp_path):
     run_dir = tmp_path / "r"
     record = _running_record(run_dir)
     uri = str(run_dir / "checkpoint_00000012")  # saved at step 12; the metrics were last logged at step 10
-    closed = evidence.finish_record(str(run_dir), record, status="failed", error=failures.Preempted(12, uri, 1),
+    closed = run_record.finish_record(str(run_dir), record, status="failed", error=signals.Preempted(12, uri, 1),
                                     rank=0, checkpoints={"dir": str(run_dir), "latest": uri, "keep_last": 2})
     validate(closed)
     assert (closed["error"]["class"], closed["error"]["reason"], closed["error"]["step"]) == \
@@ -193,10 +196,10 @@ def test_an_nccl_error_names_the_transport_it_failed_on(tmp_path):
     record["transport"]["summary"] = "nccl 2.28.9, net efa (aws-ofi-nccl), intra-node nvlink [16 ranks]"
     nccl = RuntimeError("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
                         "OpType=ALLREDUCE) ran for 600022 milliseconds before timing out.")
-    closed = evidence.finish_record(str(tmp_path / "r"), record, status="failed", error=nccl, rank=3)
+    closed = run_record.finish_record(str(tmp_path / "r"), record, status="failed", error=nccl, rank=3)
     validate(closed)
     assert (closed["error"]["reason"], closed["error"]["transport"]) == ("nccl", record["transport"]["summary"])
-    full = evidence.finish_record(str(tmp_path / "r"), record, status="failed", error=_wrapped(
+    full = run_record.finish_record(str(tmp_path / "r"), record, status="failed", error=_wrapped(
         OSError(errno.ENOSPC, "No space left on device")), rank=0)
     assert full["error"]["reason"] == "disk_full" and "transport" not in full["error"]  # not the network's
     with pytest.raises(jsonschema.ValidationError):
@@ -206,11 +209,11 @@ def test_an_nccl_error_names_the_transport_it_failed_on(tmp_path):
 def test_driver_closes_a_running_record_and_keeps_a_closed_one(tmp_path):
     run_dir = tmp_path / "r"
     _running_record(run_dir)
-    closed = evidence.close_if_running(str(run_dir), "failed", ActorDiedError("gone"), rank=0)
+    closed = run_record.close_if_running(str(run_dir), "failed", ActorDiedError("gone"), rank=0)
     validate(closed)
     assert closed["status"] == "failed" and closed["error"]["reason"] == "worker_lost"
-    assert evidence.close_if_running(str(run_dir), "cancelled", KeyboardInterrupt()) is None
-    assert evidence.load_record(str(run_dir))["status"] == "failed"
+    assert run_record.close_if_running(str(run_dir), "cancelled", KeyboardInterrupt()) is None
+    assert run_record.load_record(str(run_dir))["status"] == "failed"
 
 
 def _driver(tmp_path, name, workers=1, max_failures=0, **sections):
@@ -231,7 +234,7 @@ def test_lost_rank0_ends_failed_worker_lost(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=400)
     assert proc.returncode == 1, proc.stdout[-3000:]
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     assert record["status"] == "failed" and record["ended_at"], record["error"]
     assert (record["error"]["class"], record["error"]["reason"], record["error"]["rank"]) == \
@@ -258,7 +261,7 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 def _trained(run_dir):
     try:
-        return [r for r in evidence.read_metrics(run_dir) if r.get("kind") == "train"]
+        return [r for r in run_record.read_metrics(run_dir) if r.get("kind") == "train"]
     except OSError:
         return []
 
@@ -290,7 +293,7 @@ def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, si
             proc.kill()
     output = (tmp_path / "driver.log").read_text()
     assert proc.returncode == 128 + signum, output[-3000:]
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     assert record["status"] == "cancelled" and record["ended_at"], record["error"]
     err = record["error"]
@@ -298,7 +301,7 @@ def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, si
     assert signal.Signals(signum).name in err["message"] and err["rank"] is None
     assert err["step"] >= 2 and err["step"] == record["metrics"]["steps"]
     _wait_for(lambda: _gone(worker), 30, f"worker {worker} to end")  # the workers are stopped, not orphaned
-    assert failures.read_heartbeat(run_dir)["final"] is True
+    assert lease_lib.read_heartbeat(run_dir)["final"] is True
 
 
 def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succeeds(tmp_path):
@@ -320,7 +323,7 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            saved = _wait_for(lambda: checkpoint_lib.latest_complete(run_dir), 400, "the first complete checkpoint")
+            saved = _wait_for(lambda: checkpoints.latest_complete(run_dir), 400, "the first complete checkpoint")
             saved_step = int(saved.rsplit("_", 1)[-1])
             _wait_for(lambda: _last_step(run_dir) > saved_step, 120, "a step after the save")
             workers = [int(open(os.path.join(run_dir, "workers", "rank0.pid")).read())]
@@ -331,15 +334,15 @@ def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succe
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert evidence.load_record(run_dir)["status"] == "running"  # nothing could close it
+    assert run_record.load_record(run_dir)["status"] == "running"  # nothing could close it
     killed_after = _last_step(run_dir)
-    resume_at = int(checkpoint_lib.latest_complete(run_dir).rsplit("_", 1)[-1])  # a save may have completed since
+    resume_at = int(checkpoints.latest_complete(run_dir).rsplit("_", 1)[-1])  # a save may have completed since
     # The same run again (the same config, only a nearer end): it closes the stale record and resumes.
     again = subprocess.run([*cmd, "--set", f"train.max_steps={resume_at + 2}"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "heartbeat stale: marked abandoned" in again.stdout, again.stdout[-3000:]
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     # The dead driver's lease, taken over and said so in the record.
     assert f"took over the stale lease of host {record['lease']['host']}, pid {proc.pid}," in again.stdout
@@ -390,7 +393,7 @@ def check_mlflow_run(tracking_uri: str, run_dir: str, record: dict, last_logged:
     assert run.data.params["logging.mlflow.tracking_uri"] == tracking_uri
     assert run.data.tags["status"] == "succeeded" and run.data.tags["image_digest"] == "unknown"
     assert run.data.tags["chart_version"] == "unknown" and "failure_class" not in run.data.tags
-    rows = [r for r in evidence.read_metrics(run_dir) if r["kind"] == "train"]
+    rows = [r for r in run_record.read_metrics(run_dir) if r["kind"] == "train"]
     history = client.get_metric_history(run_id, "train/loss")
     # Continuous: every step from 1 on, each attempt's points (MLflow cannot drop any: a step the second attempt
     # recomputed has two, the first attempt's steps past the run's end stay); the latest point of each step of
@@ -414,16 +417,16 @@ def test_a_workers_sigterm_is_a_preemption_until_its_loop_returns_then_goes_to_t
     replaced = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: replaced.append(signum))
     try:
-        assert failures.catch_preemption()
+        assert signals.catch_preemption()
         signal.raise_signal(signal.SIGTERM)
-        assert failures.preemption_signalled() and replaced == []
+        assert signals.preemption_signalled() and replaced == []
         assert "saving a checkpoint at the ranks' next log step" in capsys.readouterr().out
 
         monkeypatch.setattr(failures, "_preemption_signals", [])
-        assert failures.catch_preemption()
-        failures.stop_catching_preemption()
+        assert signals.catch_preemption()
+        signals.stop_catching_preemption()
         signal.raise_signal(signal.SIGTERM)
-        assert replaced == [signal.SIGTERM] and not failures.preemption_signalled()
+        assert replaced == [signal.SIGTERM] and not signals.preemption_signalled()
         assert capsys.readouterr().out == ""
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -449,7 +452,7 @@ def test_sigterm_to_a_worker_saves_at_the_next_step_and_the_retry_resumes_there(
     assert proc.returncode == 0, output[-3000:]
     # Said once, by the signalled worker: Ray's SIGTERMs ending the workers after the run are no preemption.
     assert output.count("saving a checkpoint at the ranks' next log step") == 1, output[-3000:]
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     assert record["status"] == "succeeded", record["error"]
     (preempted,) = record["previous_attempts"]
@@ -459,11 +462,11 @@ def test_sigterm_to_a_worker_saves_at_the_next_step_and_the_retry_resumes_there(
     saved = err["step"]
     assert signalled_after <= saved < 20, (signalled_after, saved)  # no step before the signal lost; mid-interval
     assert f"checkpoint_{saved:08d}" in err["message"]
-    steps = [s for s, _, ok in checkpoint_lib.list_checkpoints(run_dir) if ok]
+    steps = [s for s, _, ok in checkpoints.list_checkpoints(run_dir) if ok]
     assert steps == [saved, 20, 30], steps
     # The retry started from that save: no step up to it was trained again.
     assert record["extra"]["resumed_from"]["step"] == saved
-    rows = evidence.read_metrics(run_dir)
+    rows = run_record.read_metrics(run_dir)
     assert [r["step"] for r in rows if r["kind"] == "resume"] == [saved]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 31))
 
@@ -472,16 +475,16 @@ def test_a_failure_before_rank0_opens_the_record_gets_one_from_the_driver(tmp_pa
     run_dir = tmp_path / "r"
     attempt = {"started_at": time.time(), "config": {"name": "r"}, "config_text": "name: r\n", "run_name": "r",
                "seed": 0}
-    made = evidence.close_if_running(str(run_dir), "failed", ActorDiedError("gone"), rank=1, attempt=attempt)
+    made = run_record.close_if_running(str(run_dir), "failed", ActorDiedError("gone"), rank=1, attempt=attempt)
     validate(made)
     assert (made["status"], made["error"]["reason"], made["error"]["rank"]) == ("failed", "worker_lost", 1)
     assert made["previous_attempts"] == [] and made["config"] == {"name": "r"}
     # This attempt's record is closed once; without `attempt` nothing is made up.
-    assert evidence.close_if_running(str(run_dir), "failed", ValueError("x"), attempt=attempt) is None
-    assert evidence.close_if_running(str(tmp_path / "none"), "failed", ValueError("x")) is None
+    assert run_record.close_if_running(str(run_dir), "failed", ValueError("x"), attempt=attempt) is None
+    assert run_record.close_if_running(str(tmp_path / "none"), "failed", ValueError("x")) is None
     # An earlier attempt's record (closed, or left running) is kept in previous_attempts of a new one.
     later = {**attempt, "started_at": time.time() + 2}
-    again = evidence.close_if_running(str(run_dir), "failed", data_lib.DataError("bad row"), attempt=later)
+    again = run_record.close_if_running(str(run_dir), "failed", sources.DataError("bad row"), attempt=later)
     assert again["error"]["class"] == "data" and again["started_at"] >= made["started_at"]
     assert [a["status"] for a in again["previous_attempts"]] == ["failed"]
 
@@ -498,7 +501,7 @@ def _run(tmp_path, name, workers=1, max_failures=0, **sections):
     cfg = launch.resolve_paths(config_lib.load_dict(raw))
     run_dir = launch.run_directory(cfg)
     error = launch.run_with_ray(cfg, launch.prepare(cfg, run_dir))
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     return record, error, run_dir
 
@@ -557,7 +560,7 @@ def test_a_really_full_disk_ends_failed_disk_full_with_the_partial_save_removed(
         assert (record["status"], err["class"], err["reason"]) == ("failed", "infrastructure", "disk_full"), err
         assert "No space left on device" in err["message"] and run_dir in err["message"], err
         assert [a["status"] for a in record["previous_attempts"]] == ["failed"], record["previous_attempts"]
-        assert [(step, complete) for step, _, complete in checkpoint_lib.list_checkpoints(run_dir)] == [(4, True)]
+        assert [(step, complete) for step, _, complete in checkpoints.list_checkpoints(run_dir)] == [(4, True)]
         assert "disk_full" in error and "No space left on device" in error
 
 
@@ -610,7 +613,7 @@ def test_a_hung_rank_fails_the_run_as_a_hang_naming_it_from_every_ranks_stacks(t
     # Rank 0 closes the record; the rank it names is the one that hung: outside any collective, rank 0 inside one.
     assert (err["class"], err["reason"], err["exception"], err["rank"], err["step"]) == \
         ("infrastructure", "hang", "HangError", 1, 5), err
-    transport = evidence.load_record(str(tmp_path / "runs" / "hang"))["transport"]["summary"]
+    transport = run_record.load_record(str(tmp_path / "runs" / "hang"))["transport"]["summary"]
     assert err["transport"] == transport and "gloo" in transport, (err, transport)
     assert message.startswith("run.json: infrastructure/hang at step 5, rank 1: HangError: rank 0: no progress"), \
         message
@@ -672,7 +675,7 @@ def test_bad_data_row_after_the_run_directory_exists_is_recorded_by_the_driver(t
     cmd[-1], run_dir = str(tmp_path / "bad.yaml"), os.path.join(raw["storage_path"], "bad")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "data error:" in proc.stderr, proc.stderr[-3000:]
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     assert record["status"] == "failed" and record["ended_at"]
     err = record["error"]
@@ -691,7 +694,7 @@ def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_w
     path.write_text(yaml.safe_dump(record["config"]))
     # The driver refuses before any worker starts. A new run name gets a failed record of the refusal ...
     assert main(["--config", str(path), "--set", "name=fresh", "--set", f"checkpoint.resume={tmp_path}/none"]) == 1
-    fresh = evidence.load_record(str(tmp_path / "runs" / "fresh"))
+    fresh = run_record.load_record(str(tmp_path / "runs" / "fresh"))
     validate(fresh)
     err = fresh["error"]
     assert (fresh["status"], err["class"], err["reason"], err["exception"], err["step"], err["rank"]) == \
@@ -717,7 +720,7 @@ def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_w
     assert [(a["status"], a["started_at"]) for a in attempt["previous_attempts"]][0] == \
         ("succeeded", record["started_at"])
     # runs, report and compare show the run as it finished, with the refused attempts listed.
-    from job.records import report, runs
+    from job.commands import report, runs
 
     capsys.readouterr()
     assert runs.main([str(tmp_path / "runs"), "--name", "refused"]) == 0
@@ -744,7 +747,7 @@ def test_async_saves_first_write_is_not_slower_and_each_completes_within_an_inte
     cfg = launch.resolve_paths(config_lib.load_dict(raw))
     run_dir = launch.run_directory(cfg)
     assert launch.run_with_ray(cfg, launch.prepare(cfg, run_dir)) is None
-    rows = evidence.read_metrics(run_dir)
+    rows = run_record.read_metrics(run_dir)
     assert [r["writer"] for r in rows if r["kind"] == "checkpoint_writer"] == ["process"]
     saves, last_step = {}, 0
     for row in rows:
@@ -794,7 +797,7 @@ def test_the_ray_cluster_going_away_under_the_driver_ends_failed_cluster_lost(tm
     output = (tmp_path / "driver.log").read_text()
     assert proc.returncode == 1 and "run failed: infrastructure/cluster_lost" in output, output[-3000:]
     assert "cause: ClusterLost: Ray Train's controller is unreachable" in output, output[-3000:]
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     assert record["status"] == "failed" and record["ended_at"], record["error"]
     err = record["error"]
@@ -820,14 +823,14 @@ def _lease_cases(tmp_path, s3_env, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_live_lease_refuses_a_second_driver_and_a_stale_one_is_taken_over(tmp_path, monkeypatch, backend, request):
-    from job.records import lease as lease_lib
     from job import storage
+    from job.records import lease as lease_lib
 
     run_dir = _lease_cases(tmp_path, request.getfixturevalue("s3_endpoint") if backend == "s3" else None,
                            monkeypatch)
     first = lease_lib.acquire(run_dir)
     assert first["took_over"] is None and lease_lib.read(run_dir)["id"] == first["id"]
-    failures.write_heartbeat(run_dir, lease=first["id"])
+    lease_lib.write_heartbeat(run_dir, lease=first["id"])
     with pytest.raises(lease_lib.LeaseHeld) as refused:
         lease_lib.acquire(run_dir)
     message = str(refused.value)
@@ -835,9 +838,9 @@ def test_a_live_lease_refuses_a_second_driver_and_a_stale_one_is_taken_over(tmp_
     assert "lease.json" in message and "60 s old" in message, message
     assert lease_lib.read(run_dir)["id"] == first["id"]  # the refused one wrote nothing
     # The holder's heartbeat goes stale: the next driver takes the lease over and names the one it replaced.
-    beat = json.loads(storage.read_text(storage.join(run_dir, failures.HEARTBEAT_FILE)))
+    beat = json.loads(storage.read_text(storage.join(run_dir, lease_lib.HEARTBEAT_FILE)))
     beat["at"] = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=300)).isoformat(timespec="seconds")
-    storage.write_atomic(storage.join(run_dir, failures.HEARTBEAT_FILE), json.dumps(beat))
+    storage.write_atomic(storage.join(run_dir, lease_lib.HEARTBEAT_FILE), json.dumps(beat))
     second = lease_lib.acquire(run_dir)
     assert second["took_over"]["id"] == first["id"] and "s old (timeout 60 s)" in second["took_over"]["stale"], second
     assert lease_lib.read(run_dir) == second
@@ -849,14 +852,14 @@ def test_a_live_lease_refuses_a_second_driver_and_a_stale_one_is_taken_over(tmp_
 
 def _lease_of_another_host(run_dir: str, beat_age_s: float) -> dict:
     """A lease held by a driver on another host (a head Pod's), renewed `beat_age_s` ago."""
-    from job.records import lease as lease_lib
     from job import storage
+    from job.records import lease as lease_lib
 
     at = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=beat_age_s)).isoformat(timespec="seconds")
     held = {"id": "0" * 32, "host": "old-head-pod", "pid": 475, "pod": "old-head-pod", "started_at": at,
-            "timeout_s": failures.HEARTBEAT_TIMEOUT_S, "took_over": None}
+            "timeout_s": lease_lib.HEARTBEAT_TIMEOUT_S, "took_over": None}
     storage.write_atomic(storage.join(run_dir, lease_lib.LEASE_FILE), json.dumps(held))
-    storage.write_atomic(storage.join(run_dir, failures.HEARTBEAT_FILE),
+    storage.write_atomic(storage.join(run_dir, lease_lib.HEARTBEAT_FILE),
                          json.dumps({"at": at, "pid": 475, "host": "old-head-pod", "final": False, "lease": held["id"]}))
     return held
 
@@ -871,7 +874,7 @@ def test_a_lease_of_another_host_is_watched_taken_over_when_its_heartbeat_stops_
     monkeypatch.setattr(lease_lib, "WATCH_EVERY_S", 0.2)
     run_dir = str(tmp_path / "r")
     os.makedirs(run_dir)
-    dead = _lease_of_another_host(run_dir, failures.HEARTBEAT_TIMEOUT_S - 3)
+    dead = _lease_of_another_host(run_dir, lease_lib.HEARTBEAT_TIMEOUT_S - 3)
     t0 = time.monotonic()
     mine = lease_lib.acquire(run_dir)
     assert 1.5 < time.monotonic() - t0 < 10, "waited for the lease to go stale, no longer"
@@ -884,7 +887,7 @@ def test_a_lease_of_another_host_is_watched_taken_over_when_its_heartbeat_stops_
 
     def beat():  # the holder renewing its lease, as failures.Heartbeat does
         while not stop.wait(0.3):
-            failures.write_heartbeat(run_dir, lease=alive["id"])
+            lease_lib.write_heartbeat(run_dir, lease=alive["id"])
 
     beating = threading.Thread(target=beat)
     beating.start()
@@ -917,7 +920,7 @@ def test_two_drivers_of_one_run_at_once_one_is_refused_before_writing_anything(t
     assert refusal.startswith(f"refused: run {run_dir} is being written by another driver (host ")
     assert f"pid {drivers[winner].pid}," in refusal and "lease.json" in refusal, refusal
     assert "# resolved config" not in logs[loser]  # refused before anything else
-    record = evidence.load_record(run_dir)
+    record = run_record.load_record(run_dir)
     validate(record)
     assert record["status"] == "succeeded" and record["previous_attempts"] == [] and record["later_attempts"] == []
     assert record["lease"]["pid"] == drivers[winner].pid and record["lease"]["took_over"] is None

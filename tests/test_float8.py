@@ -14,7 +14,8 @@ from conftest import REPO
 from job import config as config_lib
 from job import packages
 from job.config import ModelConfig, ParallelConfig
-from job.worker.model import CausalLMWithLoss, build_causal_lm, check_float8_device, convert_to_float8, parallelize
+from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm
+from job.worker.model.parallelize import check_float8_device, convert_to_float8, parallelize
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

@@ -1,9 +1,9 @@
-"""Greedy generation (job/worker/generate.py) against Transformers' own greedy loop, token for token, on CPU."""
+"""Greedy generation (job/worker/evaluation/generate.py) against Transformers' own greedy loop, token for token, on CPU."""
 
 import pytest
 import torch
 
-from job.worker import generate as G
+from job.worker.evaluation import generate
 
 
 def tiny_lm(heads: int = 6, kv_heads: int = 2, attention: str = "sdpa", seed: int = 0, vocab_size: int = 64):
@@ -28,7 +28,7 @@ def reference(lm, ids, mask, max_new, eos):
     """What Transformers' `generate` decodes, on a copy of `lm` with its stock attention."""
     stock = tiny_lm(lm.config.num_attention_heads, lm.config.num_key_value_heads)
     stock.load_state_dict(lm.state_dict())
-    return G.hf_generate(stock, ids, mask, max_new, eos, pad_token_id=0)
+    return generate.hf_generate(stock, ids, mask, max_new, eos, pad_token_id=0)
 
 
 def eos_candidates(full: torch.Tensor, width: int) -> tuple[int, int]:
@@ -43,7 +43,7 @@ def eos_candidates(full: torch.Tensor, width: int) -> tuple[int, int]:
     return every[0], some[0]
 
 
-CHECK_EVERY = G.CHECK_EVERY
+CHECK_EVERY = generate.CHECK_EVERY
 
 
 @pytest.mark.image_set
@@ -52,7 +52,7 @@ def test_greedy_generate_is_transformers_generate_token_for_token(heads, kv_head
     lm = tiny_lm(heads, kv_heads)
     ids, mask = left_padded_batch()
     want = reference(lm, ids, mask, 30, eos=None)
-    got = G.greedy_generate(lm, ids, mask, 30, eos_token_id=None, pad_token_id=0)
+    got = generate.greedy_generate(lm, ids, mask, 30, eos_token_id=None, pad_token_id=0)
     assert got.decode == "eager"  # on CPU
     assert torch.equal(got.ids, want)
 
@@ -62,7 +62,7 @@ def test_greedy_generate_is_transformers_generate_token_for_token(heads, kv_head
     every, some = eos_candidates(want, ids.shape[1])
     for eos, stops_early in ((every, True), (some, False)):
         want_eos = reference(lm, ids, mask, 30, eos=eos)
-        got = G.greedy_generate(lm, ids, mask, 30, eos_token_id=eos, pad_token_id=0)
+        got = generate.greedy_generate(lm, ids, mask, 30, eos_token_id=eos, pad_token_id=0)
         assert (want_eos.shape[1] < ids.shape[1] + 30) == stops_early
         assert torch.equal(got.ids, want_eos)
 
@@ -71,9 +71,9 @@ def test_greedy_generate_is_transformers_generate_token_for_token(heads, kv_head
 def test_one_new_token_is_the_prefill_s():
     lm = tiny_lm()
     ids, mask = left_padded_batch()
-    assert torch.equal(G.greedy_generate(lm, ids, mask, 1, None, 0).ids, reference(lm, ids, mask, 1, None))
+    assert torch.equal(generate.greedy_generate(lm, ids, mask, 1, None, 0).ids, reference(lm, ids, mask, 1, None))
     with pytest.raises(ValueError, match="max_new_tokens"):
-        G.greedy_generate(lm, ids, mask, 0, None, 0)
+        generate.greedy_generate(lm, ids, mask, 0, None, 0)
 
 
 class ReplayedStep:
@@ -92,32 +92,33 @@ def test_graph_replays_take_over_after_the_eager_warm_up_steps():
     run eagerly, every later step is a replay, and the result is `generate`'s."""
     lm = tiny_lm()
     ids, mask = left_padded_batch()
-    G.use_grouped_decode(lm)
-    decoder = G.StaticDecoder(lm, ids, mask, 20, eos_token_id=None, pad_token_id=0)
+    generate.use_grouped_decode(lm)
+    decoder = generate.StaticDecoder(lm, ids, mask, 20, eos_token_id=None, pad_token_id=0)
     graphs = []
     decoder.capture = lambda: (graphs.append(ReplayedStep(decoder)) or graphs[-1], "cuda_graph")
     assert decoder.run(cuda_graph=True) == "cuda_graph"
-    assert len(graphs) == 1 and graphs[0].replays == 20 - 1 - G.WARMUP_STEPS
+    assert len(graphs) == 1 and graphs[0].replays == 20 - 1 - generate.WARMUP_STEPS
     assert torch.equal(torch.cat([ids, decoder.new_tokens()], 1), reference(lm, ids, mask, 20, None))
 
 
 def test_a_failed_capture_goes_on_eagerly_and_says_why():
     lm = tiny_lm()
     ids, mask = left_padded_batch()
-    G.use_grouped_decode(lm)
-    decoder = G.StaticDecoder(lm, ids, mask, 12, eos_token_id=None, pad_token_id=0)
+    generate.use_grouped_decode(lm)
+    decoder = generate.StaticDecoder(lm, ids, mask, 12, eos_token_id=None, pad_token_id=0)
     decoder.capture = lambda: (None, "eager (CUDA graph capture failed: RuntimeError: not capturable)")
     assert decoder.run(cuda_graph=True).startswith("eager (CUDA graph capture failed")
     assert torch.equal(torch.cat([ids, decoder.new_tokens()], 1), reference(lm, ids, mask, 12, None))
 
 
 def test_the_generation_copy_switches_its_own_attention_not_the_training_models():
-    from job.worker.model import CausalLMWithLoss, gathered_copy
+    from job.worker.model.causal_lm import CausalLMWithLoss
+    from job.worker.model.parallelize import gathered_copy
 
     model = CausalLMWithLoss(tiny_lm())
     copy = gathered_copy(model, torch.float32, torch.device("cpu"))
-    G.use_grouped_decode(copy)
-    assert copy.config._attn_implementation == G.GROUPED_DECODE
+    generate.use_grouped_decode(copy)
+    assert copy.config._attn_implementation == generate.GROUPED_DECODE
     assert model.lm.config._attn_implementation == "sdpa"
     assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), model.lm.state_dict().values()))
 
@@ -125,9 +126,9 @@ def test_the_generation_copy_switches_its_own_attention_not_the_training_models(
 def test_models_it_does_not_cover_go_through_generate():
     lm = tiny_lm(attention="eager")
     ids, mask = left_padded_batch()
-    got = G.greedy_generate(lm, ids, mask, 8, None, 0)
+    got = generate.greedy_generate(lm, ids, mask, 8, None, 0)
     assert got.decode == "generate (attention eager)"
-    assert torch.equal(got.ids, G.hf_generate(lm, ids, mask, 8, None, 0))
+    assert torch.equal(got.ids, generate.hf_generate(lm, ids, mask, 8, None, 0))
 
 
 @pytest.mark.image_set
@@ -143,24 +144,24 @@ def test_grouped_decode_attention_is_repeated_key_value_attention_and_decode_ste
     mask[1, ..., :4] = False  # a left-padded row
     module = torch.nn.Module()
     module.num_key_value_groups = groups
-    out, _ = G.sdpa_grouped_decode(module, query, key, value, mask, scaling=0.3)
+    out, _ = generate.sdpa_grouped_decode(module, query, key, value, mask, scaling=0.3)
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=0.3)
     assert out.shape == (batch, 1, kv_heads * groups, dim)
     torch.testing.assert_close(out, expected.transpose(1, 2))
 
     grouped_steps = []
-    real = G.sdpa_grouped_decode
+    real = generate.sdpa_grouped_decode
 
     def counting(module, query, *args, **kwargs):
         grouped_steps.append(query.shape[2] == 1)
         return real(module, query, *args, **kwargs)
 
-    monkeypatch.setattr(G, "sdpa_grouped_decode", counting)
+    monkeypatch.setattr(generate, "sdpa_grouped_decode", counting)
     lm = tiny_lm()
     ids, pad = left_padded_batch()
-    G.greedy_generate(lm, ids, pad, 12, eos_token_id=None, pad_token_id=0)
-    assert lm.config._attn_implementation == G.GROUPED_DECODE
+    generate.greedy_generate(lm, ids, pad, 12, eos_token_id=None, pad_token_id=0)
+    assert lm.config._attn_implementation == generate.GROUPED_DECODE
     assert grouped_steps.count(True) == 11 * lm.config.num_hidden_layers  # every decode step after the prefill
 
 
@@ -169,7 +170,7 @@ def test_rows_that_ended_leave_the_steps_and_the_step_is_captured_again(monkeypa
     """Rows ending at different steps are dropped (their cache rows too) once few enough are still going; each
     smaller batch runs one eager step and is then captured again, and the replays run the batch last captured. The
     output is still `generate`'s, token for token, the dropped rows padded after their EOS."""
-    monkeypatch.setattr(G, "CHECK_EVERY", 2)
+    monkeypatch.setattr(generate, "CHECK_EVERY", 2)
     lm = tiny_lm()
     torch.manual_seed(2)
     ids = torch.randint(3, 64, (12, 6))
@@ -178,8 +179,8 @@ def test_rows_that_ended_leave_the_steps_and_the_step_is_captured_again(monkeypa
     ids = ids.masked_fill(mask == 0, 0)
     every, _ = eos_candidates(reference(lm, ids, mask, 40, eos=None), ids.shape[1])
     want = reference(lm, ids, mask, 40, eos=every)
-    G.use_grouped_decode(lm)
-    decoder = G.StaticDecoder(lm, ids, mask, 40, eos_token_id=every, pad_token_id=0)
+    generate.use_grouped_decode(lm)
+    decoder = generate.StaticDecoder(lm, ids, mask, 40, eos_token_id=every, pad_token_id=0)
     events = []  # ("eager" | "capture" | "replay" | "drop", rows decoded)
     step, drop = decoder.step, decoder.drop_ended
 

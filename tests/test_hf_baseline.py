@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from job.worker.architecture import PRESETS
+from job.common.presets import PRESETS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "hf_trainer_baseline.py"
 

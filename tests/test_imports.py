@@ -1,15 +1,19 @@
 """The job package's import graph: no circle, and imports point one way between its folders
 (docs/architecture.md). Every import of a job module counts, wherever it stands (a function body, an
-`if TYPE_CHECKING:` block): a function-local import is no way around a circle."""
+`if TYPE_CHECKING:` block): a function-local import is no way around a circle. The floors under the workers import
+neither torch nor transformers, and a job module is imported inside a function only to keep a process's start
+short, saying so."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 JOB = Path(__file__).resolve().parent.parent / "job"
 
-LAYERS = {"job.driver": 3, "job.worker": 2, "job.records": 1}
+LAYERS = {"job.driver": 5, "job.worker": 4, "job.commands": 3, "job.records": 2, "job.common": 1}
 """A module may import its own folder and the folders below it; the shared modules (`job.config`, `job.storage`,
-`job.packages`, `job` itself) are layer 0, and the command line (`job.__main__`) is above all."""
+`job.packages`, `job.signals`, `job` itself) are layer 0, and the command line (`job.__main__`) is above all."""
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -89,3 +93,28 @@ def test_the_graph_sees_function_local_and_type_checking_imports(tmp_path):
     graph = import_graph(package)
     assert graph["job.a"] == {"job.inner.b"} and graph["job.inner.b"] == {"job.c"} and graph["job.c"] == {"job.a"}
     assert cycle(graph) == ["job.a", "job.inner.b", "job.c", "job.a"]
+
+
+def test_the_floors_under_the_workers_import_no_torch():
+    """What the command line's readers and the driver's checks import stays light: `python -m job runs` starts in
+    well under a second, and the driver checks a run before it imports what training needs."""
+    light = sorted(m for m in import_graph() if layer(m) <= LAYERS["job.commands"])
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in light)
+            + "print(' '.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=JOB.parent, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing {', '.join(light)} imports {out.stdout.strip()}"
+
+
+def test_a_job_module_is_imported_in_a_function_only_to_keep_a_start_short():
+    """Such an import is the one way a module reaches a heavier one late; each says why on its line."""
+    unexplained = []
+    for path in JOB.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.ImportFrom) and (inner.level or (inner.module or "").startswith("job")):
+                        line = lines[inner.lineno - 1]
+                        if "start" not in line.partition("#")[2]:
+                            unexplained.append(f"{path.relative_to(JOB.parent)}:{inner.lineno}: {line.strip()}")
+    assert not unexplained, "function-local imports of job modules that do not say why: " + "; ".join(unexplained)

@@ -10,15 +10,18 @@ import textwrap
 
 import pytest
 import torch
+from test_checkpoint import MAX_STEPS, _assert_same_training, _config, _final_weights, _records, _run
 
 from conftest import REPO, tiny_run_config
-from job.worker import checkpoint as checkpoint_lib
 from job import config as config_lib
-from job.records import evidence, report
+from job.commands import report
+from job.common import checkpoints
 from job.config import ConfigError, LoraConfig
-from job.worker.model import CausalLMWithLoss, add_adapters, build_causal_lm, device_mesh, is_adapter, parallelize
+from job.records import run_record
+from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm
+from job.worker.model.lora import add_adapters, is_adapter
+from job.worker.model.parallelize import device_mesh, parallelize
 from job.worker.optimizer import build_optimizer
-from test_checkpoint import MAX_STEPS, _assert_same_training, _config, _final_weights, _records, _run
 
 LORA = {"rank": 4, "alpha": 8, "merged_export": True}
 
@@ -58,20 +61,20 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path, sing
 
 def test_resume_refuses_another_base_or_method():
     cfg = config_lib.load_dict({"name": "r", "model": {"preset": "qwen2-tiny", "init": "random", "lora": {"rank": 8}}})
-    identity = {**checkpoint_lib.run_identity(cfg, 1, {}), **checkpoint_lib.adapter_identity(cfg, {"files": {"a": "1"}})}
-    checkpoint_lib.check_identity("ckpt", {"identity": identity}, identity, [])
-    other_base = {**identity, **checkpoint_lib.adapter_identity(cfg, {"files": {"a": "2"}})}
-    with pytest.raises(checkpoint_lib.ResumeRefused, match=r"the frozen base weights \(model.path\): checkpoint sha256"):
-        checkpoint_lib.check_identity("ckpt", {"identity": identity}, other_base, ["data"])
-    full = {k: v for k, v in identity.items() if k not in checkpoint_lib.ADAPTER_FIELDS}
-    with pytest.raises(checkpoint_lib.ResumeRefused, match=r"model.lora \(rank, alpha, targets\): checkpoint none"):
-        checkpoint_lib.check_identity("ckpt", {"identity": full}, identity, [])
+    identity = {**checkpoints.run_identity(cfg, 1, {}), **checkpoints.adapter_identity(cfg, {"files": {"a": "1"}})}
+    checkpoints.check_identity("ckpt", {"identity": identity}, identity, [])
+    other_base = {**identity, **checkpoints.adapter_identity(cfg, {"files": {"a": "2"}})}
+    with pytest.raises(checkpoints.ResumeRefused, match=r"the frozen base weights \(model.path\): checkpoint sha256"):
+        checkpoints.check_identity("ckpt", {"identity": identity}, other_base, ["data"])
+    full = {k: v for k, v in identity.items() if k not in checkpoints.ADAPTER_FIELDS}
+    with pytest.raises(checkpoints.ResumeRefused, match=r"model.lora \(rank, alpha, targets\): checkpoint none"):
+        checkpoints.check_identity("ckpt", {"identity": full}, identity, [])
 
 
 def test_a_merged_export_that_would_not_fit_is_named_before_training(tmp_path):
     import shutil
 
-    from job.worker.export import merged_room_problem
+    from job.worker.model.export import merged_room_problem
 
     free = shutil.disk_usage(tmp_path).free
     assert merged_room_problem(str(tmp_path / "runs" / "r"), free // 2) is None
@@ -150,9 +153,9 @@ def test_peft_loads_the_adapter_in_a_fresh_process_and_the_merged_export_is_base
     assert found["peft_eval_loss"] == pytest.approx(found["reference_eval_loss"], abs=1e-5)
     assert found["logits_max_abs_diff"] < 1e-4
     assert found["merged_max_abs_diff"] < 1e-6 and found["untargeted_identical"]
-    summary = evidence.summarize_metrics(evidence.read_metrics(lora_reference))
+    summary = run_record.summarize_metrics(run_record.read_metrics(lora_reference))
     assert (summary["method"], summary["lora_rank"]) == ("lora", 4) and summary["trainable_params"] > 0
-    markdown = report.render_markdown(evidence.load_record(lora_reference), summary, [], [])
+    markdown = report.render_markdown(run_record.load_record(lora_reference), summary, [], [])
     assert "| method | LoRA (rank 4) |" in markdown and f"| trainable parameters | {summary['trainable_params']} |" in markdown
     # The run learned: the adapters moved the held-out loss from the untrained model's.
     evals = _records(lora_reference, "eval")

@@ -1,11 +1,11 @@
-"""job.worker.loss.chunked_cross_entropy against the full-logits fp64 reference (small sizes; CPU, and the compiled
+"""job.worker.model.loss.chunked_cross_entropy against the full-logits fp64 reference (small sizes; CPU, and the compiled
 CUDA path where a GPU is present: `python -m pytest tests/test_loss.py` on the GPU machine)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from job.worker.loss import chunked_cross_entropy
+from job.worker.model.loss import chunked_cross_entropy
 
 N, H, V = 37, 16, 50  # N not divisible by the chunk sizes below
 

@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from job import config as config_lib
+from job.common.terminal import is_terminal
 from job.driver import launch
-from job.worker import contract
-from job.worker import metrics
-from job.worker.metrics import MetricsLogger, Timeline, device_timeline, idle_gap_lines, is_terminal
+from job.worker import contract, metrics
+from job.worker.metrics import MetricsLogger, Timeline, device_timeline, idle_gap_lines
 
 
 def test_timeline_splits_startup_by_the_driver_steps_and_counts_goodput_over_the_whole_wall(monkeypatch):

@@ -14,8 +14,8 @@ import pytest
 
 from conftest import REPO, tiny_run_config
 from job import config as config_lib
-from job.worker import data as data_lib
 from job import packages, storage
+from job.common import sources
 from job.config import SourceConfig
 
 pytestmark = pytest.mark.image_set
@@ -58,15 +58,15 @@ def test_use_sites_raise_the_same_error(monkeypatch, tmp_path):
     with pytest.raises(packages.MissingPackage, match=r"^storage: s3://bucket/run/run.json needs the Python package 's3fs'"):
         storage.read_text("s3://bucket/run/run.json")
     with pytest.raises(packages.MissingPackage, match=r"^data.train: s3://bucket/train.jsonl needs .*'s3fs'"):
-        data_lib.load_source(SourceConfig("s3://bucket/train.jsonl"), "data.train")
+        sources.load_source(SourceConfig("s3://bucket/train.jsonl"), "data.train")
     with pytest.raises(packages.MissingPackage, match=r"^data.validation: hub dataset hf:o/n needs .*'datasets'"):
-        data_lib.load_source(SourceConfig("hf:o/n", revision="main"), "data.validation")
+        sources.load_source(SourceConfig("hf:o/n", revision="main"), "data.validation")
     # Local storage, local files (Parquet included: pyarrow comes with ray[train]) need neither package.
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["one", "two"]}), tmp_path / "docs.parquet")
-    rows = data_lib.load_source(SourceConfig(str(tmp_path / "docs.parquet")), "data.train").rows
+    rows = sources.load_source(SourceConfig(str(tmp_path / "docs.parquet")), "data.train").rows
     assert [row for _, row in rows] == [{"text": "one"}, {"text": "two"}]
     storage.write_atomic(str(tmp_path / "x.json"), "{}")
     assert storage.read_text(str(tmp_path / "x.json")) == "{}"

@@ -17,8 +17,8 @@ import pytest
 
 from conftest import REPO, tiny_run_config
 from job import config as config_lib
-from job.records import evidence
 from job.driver import launch
+from job.records import run_record
 
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 CACHE = Path(os.path.expanduser("~/.cache/ray-finetune"))
@@ -88,7 +88,7 @@ def test_pretrained_weights_are_loaded_and_fine_tuning_lowers_the_loss(reference
     assert (before["step"], after["step"]) == (0, MAX_STEPS) and before["n"] == after["n"] == 4
     # The baseline decoded in a thread begun in `build`, beside the data's tokenizing (decoded at step 0: 0.0).
     assert before["overlapped_s"] > 0 and "overlapped_s" not in after
-    record = evidence.load_record(reference)
+    record = run_record.load_record(reference)
     provenance = json.load(open(smollm2 / "PROVENANCE.json"))
     assert record["weights"]["files"]["model.safetensors"] == provenance["files"]["model.safetensors"]
     assert record["weights"]["provenance"]["gguf_sha256"] == provenance["gguf_sha256"]

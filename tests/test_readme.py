@@ -7,7 +7,7 @@ import re
 import subprocess
 
 from conftest import REPO, assert_tensorboard_matches_metrics
-from job.records import evidence
+from job.records import run_record
 
 
 def readme_commands() -> list[str]:
@@ -46,4 +46,4 @@ def test_the_readmes_first_commands_run_in_order_in_a_fresh_clone(tmp_path):
     text = (run_dir / "report.md").read_text()
     assert "| Status | succeeded |" in text and "**CPU run**" in text and "no plots: matplotlib" in text
     # What the third command shows (TensorBoard itself is not in this environment: read here with the test's).
-    assert_tensorboard_matches_metrics(run_dir / "tensorboard", evidence.read_metrics(str(run_dir)))
+    assert_tensorboard_matches_metrics(run_dir / "tensorboard", run_record.read_metrics(str(run_dir)))

@@ -1,4 +1,4 @@
-"""Tests of job/records/report.py: report.md and PNG plots from a fake run directory."""
+"""Tests of job/commands/report.py: report.md and PNG plots from a fake run directory."""
 
 import json
 import sys
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from job.records import evidence, report
+from job.commands import report
+from job.records import run_record
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -37,9 +38,9 @@ def _fake_run(run_dir: Path, monkeypatch, with_record=True):
     if with_record:
         config = {"model": {"name_or_path": "tiny-llama"}, "train": {"lr": 1e-4, "max_steps": 20, "seed": 7},
                   "unrelated": {"x": 1}}
-        rec = evidence.start_record(str(run_dir), config=config, config_text="model: ...\n", seed=7,
+        rec = run_record.start_record(str(run_dir), config=config, config_text="model: ...\n", seed=7,
                                     pods=[{"digest": "unknown", "reason": "not running in Kubernetes"}], env={})
-        evidence.finish_record(str(run_dir), rec, dataset={"source": "shared/data/tiny.jsonl", "rows": 128},
+        run_record.finish_record(str(run_dir), rec, dataset={"source": "shared/data/tiny.jsonl", "rows": 128},
                                tokenizer_sha256="ab" * 32, checkpoints={"dir": str(run_dir / "checkpoints")},
                                time=time)
 

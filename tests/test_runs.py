@@ -1,4 +1,4 @@
-"""Tests of job/records/runs.py: the run index (`python -m job runs`), its filters, bad directories and bad inputs, on a
+"""Tests of job/commands/runs.py: the run index (`python -m job runs`), its filters, bad directories and bad inputs, on a
 local directory and on a local S3 server; `report` and `compare` by run name."""
 
 import copy
@@ -13,7 +13,9 @@ import pytest
 import yaml
 
 from conftest import REPO, tiny_run_config
-from job.records import compare, evidence, failures, report, runs
+from job.commands import compare, report, runs
+from job.records import failures, run_record
+from job.records import lease as lease_lib
 
 DIGEST = "sha256:" + "ab" * 32
 NOW = dt.datetime.now(dt.timezone.utc)
@@ -24,9 +26,9 @@ def base_record(tmp_path_factory) -> dict:
     """A closed record as the job writes it (evidence.start_record / finish_record), to vary per run."""
     run_dir = str(tmp_path_factory.mktemp("base") / "base")
     env = {"JOB_CHART": "ray-finetune", "JOB_CHART_VERSION": "0.3.0", "JOB_RELEASE": "base", "JOB_VALUES_SHA256": "0" * 64}
-    record = evidence.start_record(run_dir, config={"name": "base", "train": {"lr": 1e-4, "max_steps": 20}},
+    record = run_record.start_record(run_dir, config={"name": "base", "train": {"lr": 1e-4, "max_steps": 20}},
                                    config_text="x", seed=1, pods=[{"digest": DIGEST}], env=env)
-    return evidence.finish_record(run_dir, record, metrics={"steps": 20, "final_eval_loss": 3.25, "task_eval": {}})
+    return run_record.finish_record(run_dir, record, metrics={"steps": 20, "final_eval_loss": 3.25, "task_eval": {}})
 
 
 def _iso(hours_ago: float) -> str:
@@ -62,7 +64,7 @@ def heartbeat(root, name: str, hours_ago: float, pid: int | None = None) -> None
     # From the present, not NOW (import time): in a long suite, "0 hours ago" at import is long stale at the test.
     at = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=hours_ago)).isoformat(timespec="seconds")
     beat = {"at": at, "pid": pid or os.getpid(), "host": socket.gethostname(), "timeout_s": 600.0}
-    (root / name / failures.HEARTBEAT_FILE).write_text(json.dumps(beat))
+    (root / name / lease_lib.HEARTBEAT_FILE).write_text(json.dumps(beat))
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from conftest import tiny_run_config
 from job import config as config_lib
-from job.worker.model import CausalLMWithLoss, build_causal_lm, parallelize
-from job.worker.optimizer import build_optimizer, clip_in_step, full
+from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm, full
+from job.worker.model.parallelize import parallelize
+from job.worker.optimizer import build_optimizer, clip_in_step
 
 
 def _model(tmp_path, fsdp: str, bf16: bool = False, loss_chunk_size: int = 0, **parallel):

@@ -13,8 +13,8 @@ import yaml
 
 from conftest import REPO, assert_tensorboard_matches_metrics, tensorboard_scalars, tiny_run_config
 from job import config as config_lib
-from job.records import evidence
 from job.driver import launch
+from job.records import run_record
 
 
 def run_with_ray(raw: dict) -> str:
@@ -48,8 +48,8 @@ def test_two_workers_learn_held_out_text(tmp_path, ray_cluster):
     assert train[-1]["loss"] < train[0]["loss"] and all(r["tokens_per_s"] > 0 for r in train)
     assert metrics(run_dir, "sample")[0]["text"]
     # The run record is complete and valid, with `unknown` + reason outside Kubernetes.
-    record = evidence.load_record(run_dir)
-    with open(evidence.schema_path()) as f:
+    record = run_record.load_record(run_dir)
+    with open(run_record.schema_path()) as f:
         jsonschema.validate(record, json.load(f))
     assert record["status"] == "succeeded" and record["config"]["name"] == "test-run"
     assert record["image"]["digest"] == "unknown" and record["image"]["reason"]
@@ -58,7 +58,7 @@ def test_two_workers_learn_held_out_text(tmp_path, ray_cluster):
     assert record["metrics"]["final_eval_loss"] == pytest.approx(last)
     assert yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))["train"]["max_steps"] == 100
     # TensorBoard's event files hold the same numbers at the same steps (read by TensorBoard's own reader).
-    assert_tensorboard_matches_metrics(os.path.join(run_dir, "tensorboard"), evidence.read_metrics(run_dir))
+    assert_tensorboard_matches_metrics(os.path.join(run_dir, "tensorboard"), run_record.read_metrics(run_dir))
     assert tensorboard_scalars(os.path.join(run_dir, "tensorboard"))["time/phases_s/train"][0][0] == 100
 
 

@@ -1,3 +1,3 @@
-"""The driver (`python -m job [run]`): `run` checks the config and holds the run, `launch` prepares what every
+"""The driver (`python -m job [run]`): `main` checks the config and holds the run, `launch` prepares what every
 worker shares and starts them under Ray Train or torchrun, `watch` holds the run lease and turns a stop signal
-into a cancelled record. Imports anything below it (`worker`, `records`, the shared modules)."""
+into a cancelled record. Imports anything below it."""

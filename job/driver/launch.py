@@ -21,18 +21,23 @@ import torch
 import torch.distributed as dist
 
 from .. import config as config_lib
-from .. import storage
-from ..records import evidence, failures, tracking
-from ..worker import checkpoint as checkpoint_lib
-from ..worker import data as data_lib
-from ..worker import export as export_lib
-from ..worker.architecture import config_fields
+from .. import signals, storage
+from ..commands import report
+from ..common import checkpoints, exports, sources
+from ..common.presets import config_fields
+from ..common.terminal import is_terminal, progress_style
+from ..records import failures, run_record, tracking
+from ..rules import is_hub_source
 from ..worker.contract import Launcher, LoopConfig
-from ..worker.metrics import is_terminal, progress_style
 from . import watch
 
 # The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
 # driver only launches it, and those imports took ~5 of its ~10 s on 2 cores.
+
+
+class ClusterLost(RuntimeError):
+    """The driver lost Ray Train's controller (its node or the whole Ray cluster went away): `infrastructure`/
+    `cluster_lost` (the Ray error it came from is its cause)."""
 
 
 def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
@@ -42,7 +47,7 @@ def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
     cfg = copy.deepcopy(cfg)
 
     def local(path: str | None) -> bool:
-        return (path is not None and not storage.is_remote(path) and not config_lib.is_hub_source(path)
+        return (path is not None and not storage.is_remote(path) and not is_hub_source(path)
                 and not path.startswith("builtin:"))
 
     def absolute(path: str) -> str:
@@ -117,11 +122,11 @@ def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
 def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
     """What to tell the user when the run is already complete (its newest checkpoint is at `train.max_steps`
     and, when `checkpoint.export`, its export was accepted), so that a re-run starts nothing; else None."""
-    latest = checkpoint_lib.latest_complete(run_dir)
-    step = int(latest.rsplit(checkpoint_lib.PREFIX, 1)[-1]) if latest else 0
-    if step < cfg.train.max_steps or (cfg.checkpoint.export and not export_lib.export_is_valid(run_dir, step)):
+    latest = checkpoints.latest_complete(run_dir)
+    step = int(latest.rsplit(checkpoints.PREFIX, 1)[-1]) if latest else 0
+    if step < cfg.train.max_steps or (cfg.checkpoint.export and not exports.export_is_valid(run_dir, step)):
         return None
-    export = f", its export accepted in {storage.join(run_dir, export_lib.EXPORT_DIR)}" if cfg.checkpoint.export else ""
+    export = f", its export accepted in {storage.join(run_dir, exports.EXPORT_DIR)}" if cfg.checkpoint.export else ""
     return (f"run {run_dir} is already complete: checkpoint {latest} is at step {step} "
             f"(train.max_steps {cfg.train.max_steps}){export}. Nothing to train. To train longer, raise "
             "train.max_steps (the run continues from this checkpoint); to train again from scratch, choose a new "
@@ -130,7 +135,7 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
 
 def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = None,
             startup: dict[str, float] | None = None) -> LoopConfig:
-    """Work done once, before the workers start: save the resolved config (`evidence.config_file`: beside a
+    """Work done once, before the workers start: save the resolved config (`run_record.config_file`: beside a
     finished run's own) and train a tokenizer if asked.
 
     Returns what every worker's loop gets, with `started_at` (when the driver started; now if not given) and
@@ -139,21 +144,21 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
     start point).
     """
     started_at = time.time() if started_at is None else started_at
-    checkpoint_lib.check_before_start(cfg, run_dir)
-    if checkpoint_lib.retire_ray_snapshot(run_dir):
-        print(f"removed {checkpoint_lib.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
+    checkpoints.check_before_start(cfg, run_dir)
+    if checkpoints.retire_ray_snapshot(run_dir):
+        print(f"removed {checkpoints.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
               "directory itself", flush=True)
     # Read and check every data source here, before any worker starts: a missing path, bad row or unreachable
     # hub id fails now with the source named. The training text also trains the tokenizer, if one is asked for.
-    corpus = data_lib.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
+    corpus = sources.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
     fs, path = storage.filesystem(run_dir)
     fs.makedirs(path, exist_ok=True)
-    storage.write_atomic(storage.join(run_dir, evidence.config_file(run_dir)), config_lib.to_yaml(cfg))
+    storage.write_atomic(storage.join(run_dir, run_record.config_file(run_dir)), config_lib.to_yaml(cfg))
     loop_config = LoopConfig(cfg, run_dir, started_at)
     if cfg.logging.mlflow.tracking_uri and os.environ.get("RANK", "0") == "0":
         loop_config.mlflow_run_id = tracking.start(cfg, run_dir)
     if cfg.model.train_tokenizer_vocab:
-        tokenizer = data_lib.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
+        tokenizer = sources.train_bpe_tokenizer(corpus, cfg.model.train_tokenizer_vocab)
         # Saved for export and inspection; the workers get the JSON itself, as they may not share a filesystem.
         if not storage.is_remote(run_dir):
             tokenizer.save_pretrained(os.path.join(storage.local_path(run_dir), "tokenizer"))
@@ -279,7 +284,7 @@ class TorchrunLauncher(Launcher):
         device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group("nccl" if use_gpu else "gloo")
-        failures.catch_preemption()  # torchrun forwards its SIGTERM to the workers
+        signals.catch_preemption()  # torchrun forwards its SIGTERM to the workers
         return device
 
     def progress_style(self, setting: str) -> str | None:
@@ -305,12 +310,12 @@ def ray_train_loop(train_loop_config: dict) -> None:
     """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`."""
     loop_config, launcher = ray_worker_args(train_loop_config)
     loop_config.startup["workers"] = time.time()  # Ray Train's part ends here; the training code's imports follow
-    from ..worker.train import train_loop
+    from ..worker.train import train_loop  # here, not at the top: keeps the driver's start short
 
     try:
         train_loop(loop_config, launcher)
     finally:
-        failures.stop_catching_preemption()
+        signals.stop_catching_preemption()
 
 
 def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | None:
@@ -344,7 +349,7 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
         # Closed first (a pod's grace period may be short), then the workers stopped; `driver_watch` closes it
         # again should rank 0 have rewritten it (at start or in `build`) before it was stopped.
         cancelled = watch.as_cancelled(e)
-        evidence.close_if_running(loop_config.run_dir, "cancelled", cancelled, attempt=this_attempt)
+        run_record.close_if_running(loop_config.run_dir, "cancelled", cancelled, attempt=this_attempt)
         print(f"{cancelled}: stopping the workers", flush=True)
         abort(trainer)
         raise cancelled from None
@@ -354,18 +359,18 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
         # A record left running (rank 0 lost, or a fault its except branch never saw) is closed here, with the
         # lowest failed rank's error.
         first = min(e.worker_failures) if e.worker_failures else None
-        evidence.close_if_running(loop_config.run_dir, "failed", e if first is None else e.worker_failures[first],
+        run_record.close_if_running(loop_config.run_dir, "failed", e if first is None else e.worker_failures[first],
                                   rank=first, attempt=this_attempt)
         return (recorded_ending(loop_config.run_dir) + _by_message(messages)
                 + (f"\n{resume_hint(loop_config.run_dir)}" if lost else ""))
     except TrainingFailedError as e:
-        evidence.close_if_running(loop_config.run_dir, "failed", e, attempt=this_attempt)
+        run_record.close_if_running(loop_config.run_dir, "failed", e, attempt=this_attempt)
         return f"{type(e).__name__}: {_one_line(e)}\n{resume_hint(loop_config.run_dir)}"
     except (RayActorError, RaySystemError) as e:  # the wait on the controller itself: its node or the cluster is gone
-        lost = failures.ClusterLost(f"Ray Train's controller is unreachable, its node or the Ray cluster gone "
+        lost = ClusterLost(f"Ray Train's controller is unreachable, its node or the Ray cluster gone "
                                     f"({type(e).__name__}: {_one_line(e)[:500]})")
         lost.__cause__ = e
-        evidence.close_if_running(loop_config.run_dir, "failed", lost, attempt=this_attempt)
+        run_record.close_if_running(loop_config.run_dir, "failed", lost, attempt=this_attempt)
         return f"{lost}\n{resume_hint(loop_config.run_dir)}"
     return None
 
@@ -373,13 +378,13 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
 def recorded_ending(run_dir: str) -> str:
     """The record's error as its first line: what the workers knew (a hang, a preemption) where Ray saw only a
     lost worker."""
-    error = failures.one_line(evidence.load_latest(run_dir).get("error"))
+    error = failures.one_line(run_record.load_latest(run_dir).get("error"))
     return f"run.json: {error}\n" if error else ""
 
 
 def attempt(cfg: config_lib.RunConfig, started_at: float) -> dict:
     """What the driver needs to record an attempt that failed before rank 0 opened its record
-    (`evidence.close_if_running`'s `attempt`): when it started, and the record's config."""
+    (`run_record.close_if_running`'s `attempt`): when it started, and the record's config."""
     return {"started_at": started_at, "config": config_lib.to_dict(cfg), "config_text": config_lib.to_yaml(cfg),
             "run_name": cfg.name, "seed": cfg.train.seed}
 
@@ -411,7 +416,7 @@ def trainer_class(base: type) -> type:
     failed (the same flaw is pointed out in ray-project/ray#65447). The cleaner only matters when the
     controller dies while its driver lives on; here the driver is this process, and when it ends, Ray removes
     the placement groups its job created. It also adds a worker callback that catches each worker's SIGTERM for
-    a preemption save (`failures.catch_preemption`). Kept as is if Ray's internals differ (then the cleaner stays)."""
+    a preemption save (`signals.catch_preemption`). Kept as is if Ray's internals differ (then the cleaner stays)."""
     try:
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
         from ray.train.v2._internal.execution.callback import WorkerCallback
@@ -424,7 +429,7 @@ def trainer_class(base: type) -> type:
         """Runs in each worker actor's main thread (signal handlers can be set only there), before the loop."""
 
         def after_init_train_context(self):
-            failures.catch_preemption()
+            signals.catch_preemption()
 
     class Trainer(base):
         controller = None
@@ -462,19 +467,19 @@ def _one_line(exc: BaseException) -> str:
 
 def resume_hint(run_dir: str) -> str:
     """What re-running the same command does after a lost worker or a failed Ray Train controller."""
-    latest = checkpoint_lib.latest_complete(run_dir)
+    latest = checkpoints.latest_complete(run_dir)
     if latest is None:
         return "the run has no complete checkpoint: re-running the same command starts it from the beginning"
     return f"re-running the same command resumes the run from its newest usable checkpoint ({latest} or older)"
 
 
 def run_with_torchrun(loop_config: LoopConfig) -> None:
-    from ..worker.train import train_loop
+    from ..worker.train import train_loop  # here, not at the top: keeps the driver's start short
 
     try:
         train_loop(loop_config, TorchrunLauncher())
     finally:
-        failures.stop_catching_preemption()
+        signals.stop_catching_preemption()
         if dist.is_initialized():
             dist.destroy_process_group()
         finish_tracking(loop_config)
@@ -483,7 +488,8 @@ def run_with_torchrun(loop_config: LoopConfig) -> None:
 def finish_tracking(loop_config: LoopConfig) -> None:
     """Ends the attempt's MLflow run (`tracking.finish`), when there is one."""
     if loop_config.mlflow_run_id:
-        tracking.finish(loop_config.cfg.logging.mlflow.tracking_uri, loop_config.run_dir, loop_config.mlflow_run_id)
+        tracking.finish(loop_config.cfg.logging.mlflow.tracking_uri, loop_config.run_dir, loop_config.mlflow_run_id,
+                        report.write_report)
 
 
 def under_torchrun() -> bool:

@@ -1,6 +1,7 @@
-"""The driver's watch over its run: the run lease held from the storage check to the last line (`hold`), and
-SIGINT/SIGTERM turned into `Cancelled` while it waits on the workers (`driver_watch`): both close a record left
-running, so they sit above the run record (`records.evidence`) rather than in the modules they use."""
+"""The driver's watch over its run: the run lease held from the storage check to the last line (`hold`), renewed by
+the driver's heartbeat (`Heartbeat`), and SIGINT/SIGTERM turned into `Cancelled` while it waits on the workers
+(`driver_watch`): both close a record left running, so they sit above the run record (`records.run_record`) rather than
+in the modules they use."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import contextlib
 import signal
 import threading
 
-from ..records import evidence, failures
 from ..records import lease as lease_lib
+from ..records import run_record
+from ..signals import Cancelled
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []  # the stop signals this process received (driver_watch's handler)
@@ -18,17 +20,17 @@ _received: list[int] = []  # the stop signals this process received (driver_watc
 @contextlib.contextmanager
 def hold(run_dir: str):
     """The driver's hold on the run: takes the lease (`LeaseHeld` if another driver has it), closes a record its
-    dead holder left running (`evidence.abandon_stale`, before this driver's heartbeat replaces the dead one's),
+    dead holder left running (`run_record.abandon_stale`, before this driver's heartbeat replaces the dead one's),
     renews it with the heartbeat while the body runs, and releases it after the final heartbeat."""
     lease = lease_lib.acquire(run_dir)
     if lease["took_over"]:
         print(f"took over the stale lease of {lease_lib.describe(lease['took_over'])}: "
               f"{lease['took_over']['stale']}", flush=True)
     try:
-        if (abandoned := evidence.abandon_stale(run_dir)) is not None:
+        if (abandoned := run_record.abandon_stale(run_dir)) is not None:
             print(f"run.json of the attempt started at {abandoned['started_at']} was still running, its driver's "
                   f"heartbeat stale: marked abandoned ({abandoned['error']['message']})", flush=True)
-        heartbeat = failures.Heartbeat(run_dir, lease=lease["id"]).start()
+        heartbeat = Heartbeat(run_dir, lease=lease["id"]).start()
     except BaseException:
         lease_lib.release(run_dir, lease)
         raise
@@ -39,19 +41,19 @@ def hold(run_dir: str):
         lease_lib.release(run_dir, lease)
 
 
-def as_cancelled(exc: KeyboardInterrupt) -> failures.Cancelled:
+def as_cancelled(exc: KeyboardInterrupt) -> Cancelled:
     """`exc` as the `Cancelled` of the signal received: Ray's wait re-raises the handler's exception as a plain
     KeyboardInterrupt (`check_status`), which loses the signal; a bare KeyboardInterrupt is a SIGINT."""
-    if isinstance(exc, failures.Cancelled):
+    if isinstance(exc, Cancelled):
         return exc
-    return failures.Cancelled(_received[0] if _received else signal.SIGINT)
+    return Cancelled(_received[0] if _received else signal.SIGINT)
 
 
 @contextlib.contextmanager
 def driver_watch(run_dir: str):
     """The driver's watch over a run while it waits on the workers (its heartbeat runs already, renewing the run
     lease: `hold`): SIGINT/SIGTERM raising `Cancelled` (Ray's own handlers, which exit without closing the
-    record, are put back afterwards). Whatever ends the wait with an exception closes a still-`running` record (`evidence.close_if_running`): `cancelled`
+    record, are put back afterwards). Whatever ends the wait with an exception closes a still-`running` record (`run_record.close_if_running`): `cancelled`
     for a KeyboardInterrupt (which then propagates as `Cancelled`), else `failed`. A second signal ends the driver at
     once (the default action)."""
 
@@ -59,7 +61,7 @@ def driver_watch(run_dir: str):
         _received.append(signum)
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_DFL)
-        raise failures.Cancelled(signum)
+        raise Cancelled(signum)
 
     main = threading.current_thread() is threading.main_thread()  # signal handlers can be set there only
     before = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if main else {}
@@ -67,11 +69,43 @@ def driver_watch(run_dir: str):
         yield
     except KeyboardInterrupt as exc:
         cancelled = as_cancelled(exc)
-        evidence.close_if_running(run_dir, "cancelled", cancelled)
+        run_record.close_if_running(run_dir, "cancelled", cancelled)
         raise cancelled from None
     except BaseException as exc:
-        evidence.close_if_running(run_dir, "failed", exc)
+        run_record.close_if_running(run_dir, "failed", exc)
         raise
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+class Heartbeat:
+    """A daemon thread rewriting `<run_dir>/heartbeat.json` every `every_s` until `stop`, renewing the run lease
+    `lease` (its id) with each beat."""
+
+    def __init__(self, run_dir: str, every_s: float = lease_lib.HEARTBEAT_EVERY_S, timeout_s: float = lease_lib.HEARTBEAT_TIMEOUT_S,
+                 lease: str | None = None):
+        self.run_dir, self.every_s, self.timeout_s, self.lease = run_dir, every_s, timeout_s, lease
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="job-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        lease_lib.write_heartbeat(self.run_dir, self.timeout_s, lease=self.lease)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                lease_lib.write_heartbeat(self.run_dir, self.timeout_s, lease=self.lease)
+            except Exception as e:  # a storage hiccup must not end the run; several missed beats mean stale
+                print(f"heartbeat: cannot write {lease_lib.HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
+
+    def stop(self) -> None:
+        """Ends the beats with a final one: the file stays, saying when the driver's watch ended."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            lease_lib.write_heartbeat(self.run_dir, self.timeout_s, final=True, lease=self.lease)
+        except Exception as e:  # as in `_beat`: the record, not the heartbeat, says how the run ended
+            print(f"heartbeat: cannot write the final {lease_lib.HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)

@@ -1,24 +1,15 @@
-"""How a run ended, in one place: what its record's `error` says, and whether a `running` record is still live.
+"""How a run ended, in one place: what its record's `error` says (`describe`), and the driver's last words on it
+(`verdict`).
 
-* `describe(exc, step=, rank=)` -- the structured `error` of `run.json`: `{"class", "reason", "message",
-  "exception", "step", "rank"}`. The class comes from the exception chain alone (types are matched by name, so
-  Ray's need not be imported): a lost worker process is `infrastructure`/`worker_lost`, a lost Ray Train
-  controller (its node or the cluster gone) `infrastructure`/`cluster_lost`, a `DataError` is `data`,
-  a `ConfigError` `config` (a refused resume, `ResumeRefused`, `config`/`resume_refused`), a non-finite loss or
-  a loss spike `model`, a hang, out of memory and a full disk `infrastructure`, a KeyboardInterrupt `cancelled`,
-  a `Preempted` attempt `infrastructure`/`preempted`; by message, a peer lost under gloo
-  `infrastructure`/`worker_lost` and an NCCL error or timeout `infrastructure`/`nccl`; anything else
-  `unknown`/`exception`. Used by the worker's `except` branch (`train.train_loop`, through
-  `evidence.finish_record`) and by the driver (`launch.run_with_ray`, `watch.driver_watch`).
-* `Heartbeat` -- the driver rewrites `<run_dir>/heartbeat.json` every `HEARTBEAT_EVERY_S` while it holds the run
-  lease (`job/records/lease.py`, which the beats renew), and once more with `"final": true` when it lets go; `liveness`
-  reads it: a `running` record whose heartbeat is older than its `timeout_s` (or whose driver
-  process is gone from this host) is stale, and the next start of the run marks it `abandoned`
-  (`watch.hold` -> `evidence.abandon_stale`).
-* Preemption (a worker's SIGTERM, or Ray Train's drain signal): `catch_preemption` turns a worker's SIGTERM into
-  a flag (`preemption_signalled`) that the loop agrees on at its next log step; it saves a checkpoint and ends
-  the attempt with `Preempted`, which the retry resumes from. Once the worker's loop has returned
-  (`stop_catching_preemption`), a SIGTERM is the ordinary end of the worker and goes to the handler it replaced.
+`describe(exc, step=, rank=)` is the structured `error` of `run.json`: `{"class", "reason", "message",
+"exception", "step", "rank"}`. The class comes from the exception chain alone (types are matched by name, so
+Ray's need not be imported): a lost worker process is `infrastructure`/`worker_lost`, a lost Ray Train controller
+(its node or the cluster gone) `infrastructure`/`cluster_lost`, a `DataError` is `data`, a `ConfigError` `config`
+(a refused resume, `ResumeRefused`, `config`/`resume_refused`), a non-finite loss or a loss spike `model`, a hang,
+out of memory and a full disk `infrastructure`, a KeyboardInterrupt `cancelled`, a `Preempted` attempt
+`infrastructure`/`preempted`; by message, a peer lost under gloo `infrastructure`/`worker_lost` and an NCCL error
+or timeout `infrastructure`/`nccl`; anything else `unknown`/`exception`. Used by the worker's `except` branch
+(`train.train_loop`, through `record.finish_record`) and by the driver (`launch.run_with_ray`, `watch.driver_watch`).
 """
 
 from __future__ import annotations
@@ -26,24 +17,17 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import errno
-import json
 import os
 import re
-import signal
 import socket
 import sys
-import threading
 
 from .. import storage
+from ..signals import Preempted
 
 CLASSES = ("infrastructure", "data", "config", "model", "cancelled", "unknown")
 COLLECTIVE_REASONS = ("nccl", "hang")
-"""The `infrastructure` reasons whose error also names the run's transport (`evidence.finish_record`)."""
-HEARTBEAT_FILE = "heartbeat.json"
-HEARTBEAT_EVERY_S = 10.0
-"""How often the driver rewrites its heartbeat."""
-HEARTBEAT_TIMEOUT_S = 60.0
-"""How old a heartbeat may be before its run counts as abandoned (several missed beats: slow storage is no death)."""
+"""The `infrastructure` reasons whose error also names the run's transport (`run_record.finish_record`)."""
 
 # (exception type name, class, reason), first match wins; matched against every type in each exception's MRO.
 _BY_TYPE = (
@@ -66,67 +50,6 @@ _BY_TYPE = (
     ("ConfigError", "config", "exception"),
     ("MissingPackage", "config", "missing_package"),
 )
-
-
-class Cancelled(KeyboardInterrupt):
-    """A signal (SIGINT, SIGTERM) asked the driver to stop the run: classified `cancelled`/`signal`."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"{signal.Signals(signum).name} to the driver (pid {os.getpid()}): the run was stopped")
-
-
-class Preempted(RuntimeError):
-    """The ranks agreed to stop for a preemption (a SIGTERM to a worker, or Ray Train's drain signal) and saved
-    checkpoint `step` first: `infrastructure`/`preempted`; the retry resumes from that checkpoint."""
-
-    def __init__(self, step: int, checkpoint: str, ranks: int):
-        self.step, self.checkpoint = step, checkpoint
-        super().__init__(f"preempted at step {step} (signalled on {ranks} rank(s)): checkpoint {checkpoint} saved; "
-                         "the retry resumes from it")
-
-
-class ClusterLost(RuntimeError):
-    """The driver lost Ray Train's controller (its node or the whole Ray cluster went away): `infrastructure`/
-    `cluster_lost` (the Ray error it came from is its cause)."""
-
-
-
-
-_preemption_signals: list[int] = []  # the SIGTERMs this worker process received (catch_preemption's handler)
-_loop_returned: list[bool] = []  # set by stop_catching_preemption: from then on a SIGTERM is not a preemption
-
-
-def catch_preemption() -> bool:
-    """In a worker's main thread: a SIGTERM (what Kubernetes sends a pod's processes before it evicts it) is noted,
-    not obeyed, so the loop can finish the step and save (`preemption_signalled`); the handler it replaces (Ray's
-    exits at once) comes back for a second SIGTERM. False where signals cannot be handled (not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    before = signal.getsignal(signal.SIGTERM)
-    _loop_returned.clear()  # a loop starting in this process again (torchrun, tests): caught once more
-
-    def note(signum, frame):
-        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
-        if _loop_returned:  # the worker being shut down after its loop: nothing to save, no claim that it will
-            signal.raise_signal(signum)
-            return
-        _preemption_signals.append(signum)
-        print(f"SIGTERM to worker pid {os.getpid()}: saving a checkpoint at the ranks' next log step", flush=True)
-
-    signal.signal(signal.SIGTERM, note)
-    return True
-
-
-def stop_catching_preemption() -> None:
-    """The worker's loop has returned (from any thread): a SIGTERM from now on goes straight to the handler
-    `catch_preemption` replaced (Ray's, which ends the worker), as if it had never been caught."""
-    _loop_returned.append(True)
-
-
-def preemption_signalled() -> bool:
-    """Whether this process received a SIGTERM since `catch_preemption` (a flag read: costs nothing per step)."""
-    return bool(_preemption_signals)
 
 
 _ENOSPC_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
@@ -210,102 +133,6 @@ def one_line(err: dict | str | None) -> str | None:
     return f"{err.get('class')}/{err.get('reason')}{' at ' + where if where else ''}: {err.get('message')}"
 
 
-# --- heartbeat ---------------------------------------------------------------------------------
-
-def _now() -> _dt.datetime:
-    return _dt.datetime.now(_dt.timezone.utc)
-
-
-def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S, final: bool = False,
-                    lease: str | None = None) -> None:
-    """`final`: the driver's last beat, as its watch ends (the run over, however it ended); `lease`: the id of
-    the run lease it renews (`job/records/lease.py`)."""
-    beat = {"at": _now().isoformat(timespec="seconds"), "pid": os.getpid(), "host": socket.gethostname(),
-            "timeout_s": timeout_s, "final": final, "lease": lease}
-    storage.write_atomic(storage.join(run_dir, HEARTBEAT_FILE), json.dumps(beat) + "\n")
-
-
-def read_heartbeat(run_dir: str) -> dict | None:
-    try:
-        return json.loads(storage.read_text(storage.join(run_dir, HEARTBEAT_FILE)))
-    except (OSError, ValueError):
-        return None
-
-
-def liveness(run_dir: str, record: dict, now: _dt.datetime | None = None) -> str:
-    """For a record: `closed` (not `running`), `live` (its driver's heartbeat is fresh), `stale` (the heartbeat is
-    older than its timeout, final (its driver's watch ended without closing the record), or its driver's process
-    is gone from this host) or `unknown` (no heartbeat: a torchrun run, or one of a version without heartbeats;
-    never taken for dead)."""
-    if record.get("status") != "running":
-        return "closed"
-    beat = read_heartbeat(run_dir)
-    if not beat:
-        return "unknown"
-    if beat.get("final"):
-        return "stale"
-    try:
-        age = ((now or _now()) - _dt.datetime.fromisoformat(beat["at"])).total_seconds()
-        timeout = float(beat.get("timeout_s", HEARTBEAT_TIMEOUT_S))
-    except (KeyError, TypeError, ValueError):
-        return "unknown"
-    if age > timeout:
-        return "stale"
-    if (beat.get("host") == socket.gethostname() and beat.get("pid") != os.getpid()
-            and not process_alive(beat.get("pid"))):
-        return "stale"
-    return "live"
-
-
-def process_alive(pid) -> bool:
-    """Whether process `pid` of this host exists (one that cannot be asked counts as alive)."""
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, TypeError, ValueError):
-        return True
-    return True
-
-
-class Heartbeat:
-    """A daemon thread rewriting `<run_dir>/heartbeat.json` every `every_s` until `stop`, renewing the run lease
-    `lease` (its id) with each beat."""
-
-    def __init__(self, run_dir: str, every_s: float = HEARTBEAT_EVERY_S, timeout_s: float = HEARTBEAT_TIMEOUT_S,
-                 lease: str | None = None):
-        self.run_dir, self.every_s, self.timeout_s, self.lease = run_dir, every_s, timeout_s, lease
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="job-heartbeat", daemon=True)
-
-    def start(self) -> "Heartbeat":
-        write_heartbeat(self.run_dir, self.timeout_s, lease=self.lease)
-        self._thread.start()
-        return self
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                write_heartbeat(self.run_dir, self.timeout_s, lease=self.lease)
-            except Exception as e:  # a storage hiccup must not end the run; several missed beats mean stale
-                print(f"heartbeat: cannot write {HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
-
-    def stop(self) -> None:
-        """Ends the beats with a final one: the file stays, saying when the driver's watch ended."""
-        self._stop.set()
-        self._thread.join(timeout=5)
-        try:
-            write_heartbeat(self.run_dir, self.timeout_s, final=True, lease=self.lease)
-        except Exception as e:  # as in `_beat`: the record, not the heartbeat, says how the run ended
-            print(f"heartbeat: cannot write the final {HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
-
-
-def exit_status(exc: BaseException) -> int:
-    """The driver's exit status for a run ended by `exc`: 128 + the signal's number for a `Cancelled` (130 for
-    SIGINT, 143 for SIGTERM, as a shell reports a process the signal ended), else 1."""
-    return 128 + exc.signum if isinstance(exc, Cancelled) else 1
-
-
 # --- the verdict --------------------------------------------------------------------------------
 
 LOGS_DIR = "logs"
@@ -323,7 +150,7 @@ def save_traceback(run_dir: str, started_at: float, rank: int, exc: BaseExceptio
     import traceback
 
     path = storage.join(attempt_logs(run_dir, started_at), f"rank{rank}.log")
-    text = f"{_now().isoformat(timespec='seconds')} rank {rank}, pid {os.getpid()}, host {socket.gethostname()}\n"
+    text = f"{_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} rank {rank}, pid {os.getpid()}, host {socket.gethostname()}\n"
     text += "".join(traceback.format_exception(exc))
     try:
         with contextlib.suppress(FileNotFoundError):

@@ -8,9 +8,9 @@ naming the holder and how to take over from a dead one.
 
 * Taken with a create-exclusive write (`storage.create_exclusive`): a hard link on a local path, PVC or NFS; an
   `If-None-Match: *` PUT on S3. Of two drivers starting at once exactly one creates the file.
-* Renewed by the driver's heartbeat (`failures.Heartbeat`, every `failures.HEARTBEAT_EVERY_S`), which names the
-  lease it renews. The lease itself is written once and never rewritten.
-* Stale when its heartbeat is older than the lease's `timeout_s` (`failures.HEARTBEAT_TIMEOUT_S`), final (the
+* Renewed by the driver's heartbeat (`<run_dir>/heartbeat.json`, rewritten every `HEARTBEAT_EVERY_S` by
+  `watch.Heartbeat`, and once more with `"final": true` when the driver lets go), which names the lease it renews. The lease itself is written once and never rewritten.
+* Stale when its heartbeat is older than the lease's `timeout_s` (`HEARTBEAT_TIMEOUT_S`), final (the
   driver's watch ended without a release), or its process is gone from this host; a lease with no heartbeat yet
   counts from its own `started_at`.
 * Watched when it looks live but its holder is on another host: a driver killed with its pod looks live for up to
@@ -20,9 +20,13 @@ naming the holder and how to take over from a dead one.
   holder's last beat. A holder on this host is asked directly (its process), never waited for.
 * A stale lease is taken over: the taker first creates
   `.lease-takeover-<id>` exclusively (of two takers one wins), then replaces the lease with its own, which names
-  the one it replaced (`took_over`); `evidence.start_record` copies the lease into the run record.
+  the one it replaced (`took_over`); `run_record.start_record` copies the lease into the run record.
 * Released (deleted) when the driver ends, after its last heartbeat; a driver killed outright leaves it, and the
   next start takes it over once it is stale.
+
+The heartbeat also tells whether a `running` record is still live (`liveness`): a record whose heartbeat is stale
+(or whose driver process is gone from this host) is marked `abandoned` by the next start of the run
+(`watch.hold` -> `run_record.abandon_stale`).
 """
 
 from __future__ import annotations
@@ -36,9 +40,13 @@ import time
 import uuid
 
 from .. import storage
-from . import failures
 
 LEASE_FILE = "lease.json"
+HEARTBEAT_FILE = "heartbeat.json"
+HEARTBEAT_EVERY_S = 10.0
+"""How often the driver rewrites its heartbeat."""
+HEARTBEAT_TIMEOUT_S = 60.0
+"""How old a heartbeat may be before its run counts as abandoned (several missed beats: slow storage is no death)."""
 WATCH_EVERY_S = 1.0
 """How often a driver watching a live-looking lease of another host reads the holder's heartbeat again."""
 
@@ -56,6 +64,58 @@ def _path(run_dir: str) -> str:
     return storage.join(run_dir, LEASE_FILE)
 
 
+def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S, final: bool = False,
+                    lease: str | None = None) -> None:
+    """`final`: the driver's last beat, as its watch ends (the run over, however it ended); `lease`: the id of
+    the run lease it renews (`job/records/lease.py`)."""
+    beat = {"at": _now().isoformat(timespec="seconds"), "pid": os.getpid(), "host": socket.gethostname(),
+            "timeout_s": timeout_s, "final": final, "lease": lease}
+    storage.write_atomic(storage.join(run_dir, HEARTBEAT_FILE), json.dumps(beat) + "\n")
+
+
+def read_heartbeat(run_dir: str) -> dict | None:
+    try:
+        return json.loads(storage.read_text(storage.join(run_dir, HEARTBEAT_FILE)))
+    except (OSError, ValueError):
+        return None
+
+
+def liveness(run_dir: str, record: dict, now: _dt.datetime | None = None) -> str:
+    """For a record: `closed` (not `running`), `live` (its driver's heartbeat is fresh), `stale` (the heartbeat is
+    older than its timeout, final (its driver's watch ended without closing the record), or its driver's process
+    is gone from this host) or `unknown` (no heartbeat: a torchrun run, or one of a version without heartbeats;
+    never taken for dead)."""
+    if record.get("status") != "running":
+        return "closed"
+    beat = read_heartbeat(run_dir)
+    if not beat:
+        return "unknown"
+    if beat.get("final"):
+        return "stale"
+    try:
+        age = ((now or _now()) - _dt.datetime.fromisoformat(beat["at"])).total_seconds()
+        timeout = float(beat.get("timeout_s", HEARTBEAT_TIMEOUT_S))
+    except (KeyError, TypeError, ValueError):
+        return "unknown"
+    if age > timeout:
+        return "stale"
+    if (beat.get("host") == socket.gethostname() and beat.get("pid") != os.getpid()
+            and not process_alive(beat.get("pid"))):
+        return "stale"
+    return "live"
+
+
+def process_alive(pid) -> bool:
+    """Whether process `pid` of this host exists (one that cannot be asked counts as alive)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError):
+        return True
+    return True
+
+
 def read(run_dir: str) -> dict | None:
     """The lease as stored; None when there is none."""
     try:
@@ -71,12 +131,12 @@ def read(run_dir: str) -> dict | None:
 
 def _timeout(lease: dict) -> float:
     """Seconds without a heartbeat after which `lease` is stale."""
-    return float(lease.get("timeout_s") or failures.HEARTBEAT_TIMEOUT_S)
+    return float(lease.get("timeout_s") or HEARTBEAT_TIMEOUT_S)
 
 
 def staleness(run_dir: str, lease: dict, now: _dt.datetime | None = None) -> str | None:
     """Why `lease` is stale (its driver gone), or None while it is live."""
-    beat = failures.read_heartbeat(run_dir) or {}
+    beat = read_heartbeat(run_dir) or {}
     if beat.get("lease") != lease["id"]:  # not renewed yet: counts from the lease's start
         beat = {"at": lease.get("started_at"), "host": lease.get("host"), "pid": lease.get("pid")}
     if beat.get("final"):
@@ -88,14 +148,14 @@ def staleness(run_dir: str, lease: dict, now: _dt.datetime | None = None) -> str
         return "it has no readable time"
     if age > timeout:
         return f"its heartbeat is {age:.0f} s old (timeout {timeout:g} s)"
-    if beat.get("host") == socket.gethostname() and not failures.process_alive(beat.get("pid")):
+    if beat.get("host") == socket.gethostname() and not process_alive(beat.get("pid")):
         return f"its driver (pid {beat.get('pid')}) is gone from this host"
     return None
 
 
 def _last_beat(run_dir: str, lease: dict) -> str | None:
     """When the holder of `lease` last renewed it (None: not yet)."""
-    beat = failures.read_heartbeat(run_dir) or {}
+    beat = read_heartbeat(run_dir) or {}
     return beat.get("at") if beat.get("lease") == lease["id"] else None
 
 
@@ -108,7 +168,7 @@ def await_staleness(run_dir: str, lease: dict) -> str | None:
     print(f"run {run_dir}: its lease is held by {describe(lease)}, last heartbeat {seen or 'none yet'}: waiting up "
           f"to {timeout:g} s for that driver's next heartbeat (alive: this one is refused) or for the lease to go "
           "stale (its driver died: this one takes over)", flush=True)
-    deadline = time.monotonic() + timeout + failures.HEARTBEAT_EVERY_S
+    deadline = time.monotonic() + timeout + HEARTBEAT_EVERY_S
     while time.monotonic() < deadline:
         time.sleep(WATCH_EVERY_S)
         if (read(run_dir) or {}).get("id") != lease["id"] or _last_beat(run_dir, lease) != seen:
@@ -145,7 +205,7 @@ def acquire(run_dir: str) -> dict:
     """Takes the run's lease (a stale one is taken over) and returns it; `LeaseHeld` while a live driver holds it."""
     mine = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
             "pod": os.environ.get("POD_NAME") or None, "started_at": _now().isoformat(timespec="seconds"),
-            "timeout_s": failures.HEARTBEAT_TIMEOUT_S, "took_over": None}
+            "timeout_s": HEARTBEAT_TIMEOUT_S, "took_over": None}
     for _ in range(3):  # a lease released or taken over between our reads: look again
         if _create(run_dir, _path(run_dir), mine):
             return mine

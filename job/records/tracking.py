@@ -25,10 +25,11 @@ import os
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from .. import config as config_lib
 from .. import packages, storage
-from . import evidence, report
+from . import run_record
 
 RUN_FILE = "mlflow.json"
 """In the run directory: `{"tracking_uri", "experiment_id", "run_id"}` of the run's MLflow run."""
@@ -63,7 +64,7 @@ def start(cfg: config_lib.RunConfig, run_dir: str) -> str:
             cfg.logging.mlflow.experiment)
         run_id = client.create_run(experiment_id, run_name=cfg.name, tags={"run_dir": run_dir}).info.run_id
         params = [Param(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
-                  for k, v in evidence.flatten(config_lib.to_dict(cfg)).items()]
+                  for k, v in run_record.flatten(config_lib.to_dict(cfg)).items()]
         for i in range(0, len(params), 100):  # MLflow's batch limit
             client.log_batch(run_id, params=params[i:i + 100])
     except Exception as e:  # requests' connection errors, MlflowException (bad URI, server errors)
@@ -97,14 +98,15 @@ class MlflowMetrics:
         pass
 
 
-def finish(tracking_uri: str, run_dir: str, run_id: str) -> None:
-    """Tags, artifacts and the end status from run.json (the driver, after the attempt); a failure here is one
-    warning, never the run's failure."""
+def finish(tracking_uri: str, run_dir: str, run_id: str, write_report: Callable[..., list[str]]) -> None:
+    """Tags, artifacts and the end status from run.json (the driver, after the attempt); `write_report(run_dir, out,
+    plots=False)` writes report.md into `out` (`commands.report.write_report`). A failure here is one warning, never
+    the run's failure."""
     from mlflow.entities import RunTag
 
     try:
         client = _client(tracking_uri)
-        record = evidence.load_record(run_dir)
+        record = run_record.load_record(run_dir)
         error = record.get("error") or {}
         tags = {"status": record.get("status"), "failure_class": error.get("class"),
                 "failure_reason": error.get("reason"), "image_digest": (record.get("image") or {}).get("digest"),
@@ -114,13 +116,13 @@ def finish(tracking_uri: str, run_dir: str, run_id: str) -> None:
                 "config_sha256": record.get("config_sha256")}
         client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
         with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, evidence.RUN_RECORD), "w") as f:
+            with open(os.path.join(tmp, run_record.RUN_RECORD), "w") as f:
                 json.dump(record, f, indent=2, default=str)
-            report.main([run_dir, "--out", tmp, "--no-plots"])
-            for name in (evidence.RUN_RECORD, "report.md"):
+            write_report(run_dir, tmp, plots=False)
+            for name in (run_record.RUN_RECORD, "report.md"):
                 client.log_artifact(run_id, os.path.join(tmp, name))
         status = END_STATUS.get(record.get("status"), "FAILED")
         client.set_terminated(run_id, status=status, end_time=int(time.time() * 1000))
     except Exception as e:
         print(f"warning: mlflow: cannot close run {run_id} at {tracking_uri} ({_one_line(e)}); the run's own "
-              f"record is {storage.join(run_dir, evidence.RUN_RECORD)}", file=sys.stderr, flush=True)
+              f"record is {storage.join(run_dir, run_record.RUN_RECORD)}", file=sys.stderr, flush=True)

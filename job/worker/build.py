@@ -1,5 +1,5 @@
-"""Building one worker's run before its first step (`build`): tokenizer, model, data (a fresh run's task
-baseline decoding beside it), FSDP2 sharding, optimizer, checkpointer, and the resume point."""
+"""Building one worker's training before its first step (`build`): tokenizer, model, data (a fresh run's task
+baseline decoding beside it), FSDP2 sharding, optimizer, the resume point, and the loop's parts."""
 
 from __future__ import annotations
 
@@ -10,32 +10,37 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from .. import config as config_lib
-from ..records import evidence
+from ..common import checkpoints
+from ..common.sources import tokenizer_from_json
+from ..records import run_record
 from ..records.tracking import MlflowMetrics
-from . import checkpoint as checkpoint_lib
 from . import compile_cache, schedule
 from . import data as data_lib
-from . import export as export_lib
-from . import faults as faults_lib
-from .checkpoint_writer import Checkpointer
+from .checkpoint.resume import data_start, find_resume_point, restore
+from .checkpoint.writer import Checkpointer
 from .contract import Launcher, LoopConfig
-from .evaluate import task_items
+from .evaluation.heldout import HeldoutEvaluation
+from .evaluation.task import PendingTaskEval, TaskEvaluation, start_baseline, task_items
+from .faults import FaultInjection, write_pid
 from .metrics import MetricsLogger, Timeline, flops_per_token, peak_flops
-from .model import (CausalLMWithLoss, add_adapters, build_causal_lm, device_mesh, load_tokenizer, parallelize,
-                    weights_fingerprint)
+from .model.causal_lm import CausalLMWithLoss, build_causal_lm, load_tokenizer, weights_fingerprint
+from .model.export import merged_room_problem
+from .model.lora import add_adapters
+from .model.parallelize import device_mesh, parallelize
+from .objective import NextTokenPrediction
 from .optimizer import build_optimizer
-from .run import PendingTaskEval, Run, in_background
-from .task_eval import start_baseline
+from .parts import Checkpointing, LogStep, Worker, in_background
+from .trainer import Trainer
+from .watchdog import Watchdog
 
 
 def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
-          timeline: Timeline) -> tuple[Run, Callable[[], dict]]:
-    """Tokenizer, model, data (a fresh run's task baseline decoding beside it), FSDP2 sharding, optimizer, and the
-    resume point. Returns the run and a function that returns the weights fingerprint (hashed in a background
-    thread on rank 0: gigabytes take seconds)."""
+          timeline: Timeline) -> Trainer:
+    """Tokenizer, model, data (a fresh run's task baseline decoding beside it), FSDP2 sharding, optimizer, the
+    resume point and the parts, in that order; `record` is rank 0's run record (None on the other ranks)."""
     cfg, run_dir = loop_config.cfg, loop_config.run_dir
     rank, world = dist.get_rank(), dist.get_world_size()
-    faults_lib.write_pid(run_dir, rank)
+    write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
 
     # ---- Tokenizer, then the model (as loaded, or seeded), then the data: a fresh run's task baseline decodes
@@ -43,9 +48,9 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     # (`start_baseline`). Every rank gets the same packed blocks and reads only its shard of them.
     with timeline.phase("data"):
         tokenizer_json = loop_config.tokenizer_json
-        tokenizer = data_lib.tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
+        tokenizer = tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
     with timeline.phase("resume"):
-        resume_from, skipped = checkpoint_lib.find_resume_point(cfg, run_dir)
+        resume_from, skipped = find_resume_point(cfg, run_dir)
     with timeline.phase("model"):
         cache_uri = compile_cache.cache_uri(cfg, device) if cfg.parallel.compile else None
         cache_state = compile_cache.load(cache_uri) if cache_uri else None  # before anything compiles
@@ -70,27 +75,27 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     weights = in_background(weights_fingerprint, cfg.model) if record else dict
     if record:
         tokenizer_sha = (dataset.fingerprint.get("tokenizer") or {}).get("sha256")
-        evidence.update_record(run_dir, record, dataset=dataset.fingerprint, tokenizer_sha256=tokenizer_sha)
+        run_record.update_record(run_dir, record, dataset=dataset.fingerprint, tokenizer_sha256=tokenizer_sha)
 
     # ---- FSDP2 shards the model across the ranks.
     with timeline.phase("model"):
         mesh = device_mesh(device.type, world, cfg.parallel.shard_group_size)
         model = parallelize(unsharded, cfg.parallel, mesh, bf16)
         optimizer = build_optimizer(model, cfg.train)
-        identity = checkpoint_lib.run_identity(cfg, world, dataset.fingerprint)
+        identity = checkpoints.run_identity(cfg, world, dataset.fingerprint)
         if adapted:
             identity.update(lora_preflight(cfg, run_dir, weights, n_params - n_trainable, bf16))
         checkpointer = Checkpointer(cfg, run_dir, device, identity)
-        faults = faults_lib.FaultInjection(cfg, rank, run_dir, checkpointer)
+        faults = FaultInjection(cfg, rank, run_dir, checkpointer)
 
     # ---- Resume: the run's latest complete checkpoint (or checkpoint.resume's), resharded onto this world size.
     start_step, start_micro, resumed, data_exact = 0, 0, None, True
     with timeline.phase("resume"):
         if resume_from is not None:
-            resumed = checkpoint_lib.restore(resume_from, model, optimizer, cfg, identity)
+            resumed = restore(resume_from, model, optimizer, cfg, identity)
             start_step = resumed["step"]
-            start_micro, data_exact = checkpoint_lib.data_start(
-                resumed, cfg, world, len(dataset.train) if dataset.train is not None else None)
+            start_micro, data_exact = data_start(resumed, cfg, world,
+                                                 len(dataset.train) if dataset.train is not None else None)
 
     # ---- Batches: a pure function of (seed, rank, micro-batch index), so a resumed run sees the same data.
     mb, seq = cfg.train.micro_batch_size, cfg.train.seq_len
@@ -107,38 +112,62 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
                  ] if loop_config.mlflow_run_id else []
         logger = MetricsLogger(run_dir, cfg.train.max_steps, launcher.progress_style(cfg.logging.progress_bar),
                                keep_until_step=start_step, sinks=sinks)
-    run = Run(cfg, run_dir, device, rank, world, bf16, tokenizer, dataset, model, optimizer, batches,
-              start_step, flops_tok, peak_flops(device, cfg.logging.peak_flops), checkpointer, faults, timeline, logger,
-              task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else [],
-              compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
-              latest_checkpoint=resume_from, preempted=launcher.preempted, baseline=baseline)
-    run.log({"kind": "start", "params": n_params, "trainable_params": n_trainable,
-             "method": "lora" if adapted else "full", "lora_rank": cfg.model.lora.rank, "lora_layers": len(adapted),
-             "flops_per_token": flops_tok, "world_size": world,
-             "mesh": list(mesh.shape), "sharded": isinstance(model, FSDPModule), "device": str(device), "bf16": bf16,
-             "data": dataset.fingerprint, "data_cache": data_cache, "compile_cache": cache_state})
+    worker = Worker(cfg, run_dir, device, rank, world, bf16, timeline, logger)
+    worker.log({"kind": "start", "params": n_params, "trainable_params": n_trainable,
+                "method": "lora" if adapted else "full", "lora_rank": cfg.model.lora.rank, "lora_layers": len(adapted),
+                "flops_per_token": flops_tok, "world_size": world,
+                "mesh": list(mesh.shape), "sharded": isinstance(model, FSDPModule), "device": str(device), "bf16": bf16,
+                "data": dataset.fingerprint, "data_cache": data_cache, "compile_cache": cache_state})
     if resumed is not None or skipped:
         resume_record = {"step": start_step, "checkpoint": resume_from, "skipped": skipped}
         if resumed is not None:
             resume_record.update(saved_world_size=resumed["world_size"], micro_batch_index=start_micro,
                                  data_exact=data_exact,
                                  lr_schedule_changes=schedule.changes(resumed, cfg.train))
-        run.log({"kind": "resume", **resume_record})
+        worker.log({"kind": "resume", **resume_record})
         if record:
-            evidence.update_record(run_dir, record, resumed_from=resume_record)
-    return run, weights
+            run_record.update_record(run_dir, record, resumed_from=resume_record)
+    items = task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else []
+    return Trainer(
+        worker=worker, tokenizer=tokenizer, dataset=dataset, model=model, optimizer=optimizer,
+        objective=NextTokenPrediction(), batches=batches, start_step=start_step, resumed_from=resume_from,
+        checkpointer=checkpointer, faults=faults,
+        log_step=LogStep(worker, checkpointer, launcher.preempted, flops_tok, peak_flops(device, cfg.logging.peak_flops)),
+        checkpointing=Checkpointing(worker, checkpointer, model, optimizer, start_step),
+        heldout=HeldoutEvaluation(worker, model, dataset.validation, start_step),
+        task=TaskEvaluation(worker, model, checkpointer, tokenizer, items, start_step, baseline),
+        weights=weights,
+        compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
+        watchdog=start_watchdog(worker, record, start_step),  # last: nothing after it can fail and leave it running
+    )
+
+
+def start_watchdog(worker: Worker, record: dict | None, start_step: int) -> Watchdog:
+    """This attempt's hang watchdog (collective: the attempt's number, as rank 0's record counts it, names the
+    stack files); on rank 0 it closes the record before the process ends."""
+    attempt = torch.tensor(len(record["previous_attempts"]) + 1 if record else 0, device=worker.device)
+    dist.broadcast(attempt, src=0)
+
+    def close_record(error) -> None:
+        run_record.finish_record(worker.run_dir, record, status="failed", error=error, rank=error.rank,
+                                 time=worker.timeline.summary())
+
+    watchdog = Watchdog(worker.cfg.train.hang_timeout_s, worker.run_dir, worker.rank, int(attempt.item()), start_step,
+                        close_record if record else None, worker.world, dist.get_backend() == "gloo")
+    worker.timeline.on_phase = watchdog.phase
+    return watchdog
 
 
 def lora_preflight(cfg: config_lib.RunConfig, run_dir: str, weights: Callable[[], dict], n_frozen: int,
                    bf16: bool) -> dict:
-    """A LoRA run's identity keys (`checkpoint.adapter_identity`, from rank 0's fingerprint of the base weights),
+    """A LoRA run's identity keys (`checkpoints.adapter_identity`, from rank 0's fingerprint of the base weights),
     and, with `model.lora.merged_export`, rank 0's check that the export's storage has room for the merged
     weights: both before the first step, on every rank (collective)."""
     problem = None
     if dist.get_rank() == 0:
-        identity = checkpoint_lib.adapter_identity(cfg, weights())
+        identity = checkpoints.adapter_identity(cfg, weights())
         if cfg.model.lora.merged_export:
-            problem = export_lib.merged_room_problem(run_dir, n_frozen * (2 if bf16 else 4))
+            problem = merged_room_problem(run_dir, n_frozen * (2 if bf16 else 4))
     box = [identity if dist.get_rank() == 0 else None, problem]
     dist.broadcast_object_list(box, src=0)
     if box[1]:

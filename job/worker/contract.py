@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from .. import config as config_lib
-from ..records import failures
+from .. import signals
 
 if TYPE_CHECKING:
     import torch
@@ -57,5 +57,5 @@ class Launcher:
 
     def preempted(self) -> bool:
         """Whether this worker was asked to stop for a preemption: a SIGTERM to its process
-        (`failures.catch_preemption`); a flag read, cheap enough for any step."""
-        return failures.preemption_signalled()
+        (`signals.catch_preemption`); a flag read, cheap enough for any step."""
+        return signals.preemption_signalled()

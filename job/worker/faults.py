@@ -10,7 +10,7 @@ import time
 
 from .. import config as config_lib
 from .. import storage
-from .checkpoint_writer import Checkpointer
+from .checkpoint.writer import Checkpointer
 
 
 def write_pid(run_dir: str, rank: int) -> None:

@@ -1,93 +1,112 @@
-"""Ending one worker's run after its last step (`finish`): the export, the final task evaluation and sample on
-one unsharded copy of the model, the last checkpoint completed, and the results for the run record."""
+"""Ending one worker's run after its last step (`finish`): the export, the parts' last work (the final task
+evaluation) and the sample on one unsharded copy of the model, the last checkpoint completed, and the results for
+the run record."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from . import export as export_lib
-from .evaluate import evaluate, generate_sample, heldout_batches, synthetic_heldout
+from .. import config as config_lib
+from ..common.exports import export_is_valid
+from .evaluation.generate import generate_sample
+from .evaluation.heldout import evaluate, heldout_batches, synthetic_heldout
 from .metrics import format_timeline
-from .model import adapter_state_dict
-from .run import Run, complete_checkpoint, unsharded_copy
-from .task_eval import run_task_eval
+from .model import export
+from .model.lora import adapter_state_dict
+from .parts import LoopState
+from .trainer import Trainer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def finish(run: Run, weights: Callable[[], dict], exporting: bool,
-           acceptance: export_lib.AcceptanceProcess | None) -> dict:
-    """After the last step, on one unsharded copy of the model: the export (when `exporting`), written first and
-    checked in its own process (`acceptance`, rank 0's) while the final task evaluation and the sample run here,
-    all while the last checkpoint's write goes on; that checkpoint is completed before the export's verdict is
-    collected, or last when there is no export or it fails, and always before the job reports success. Returns
-    the results for the run record."""
-    cfg = run.cfg
+def export_due(cfg: config_lib.RunConfig, run_dir: str) -> bool:
+    """Whether this run ends with an export (not when a finished run is re-run and its export is accepted)."""
+    return cfg.checkpoint.export and not export_is_valid(run_dir, cfg.train.max_steps)
+
+
+def finish(trainer: Trainer, state: LoopState, exporting: bool, acceptance: export.AcceptanceProcess | None) -> dict:
+    """After the last step, on one unsharded copy of the model (gathered once, when first needed): the export (when
+    `exporting`), written first and checked in its own process (`acceptance`, rank 0's) while the parts' last work
+    (the final task evaluation) and the sample run here, all while the last checkpoint's write goes on; that
+    checkpoint is completed before the export's verdict is collected, or last when there is no export or it fails,
+    and always before the job reports success. Returns the results for the run record."""
+    worker, cfg = trainer.worker, trainer.worker.cfg
     accepted = None
+    copies: list[PreTrainedModel] = []
+
+    def copy() -> PreTrainedModel:
+        if not copies:
+            with worker.timeline.phase("checkpoint"):
+                trainer.checkpointer.wait_device_copy()  # the model's copy and the decoding may need its room
+            with worker.timeline.phase("export"):
+                copies.append(trainer.unsharded_copy())
+        return copies[0]
+
     try:
-        task_due = cfg.eval.task and run.start_step < cfg.train.max_steps  # a re-run of a finished run has it
-        lm = pending = None
-        if task_due or exporting or cfg.eval.sample_prompt is not None:
-            with run.timeline.phase("checkpoint"):
-                run.checkpointer.wait_device_copy()  # the model's copy and the decoding may need its room
-            with run.timeline.phase("export"):
-                lm = unsharded_copy(run)
-                if exporting:  # written now and checked in the acceptance process while the task evaluation runs
-                    pending = start_export(run, lm, acceptance)
-        if task_due:
-            run_task_eval(run, cfg.train.max_steps, lm)
+        pending = None
+        if exporting:  # written now and checked in the acceptance process while the task evaluation runs
+            lm = copy()
+            with worker.timeline.phase("export"):
+                pending = start_export(trainer, state, lm, acceptance)
+        for part in trainer.parts:
+            part.finish(state, copy)
         if cfg.eval.sample_prompt is not None:
-            text = generate_sample(lm, run.tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens, run.device)
-            run.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
+            text = generate_sample(copy(), trainer.tokenizer, cfg.eval.sample_prompt, cfg.eval.sample_tokens,
+                                   worker.device)
+            worker.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
         if exporting:
             # The last save's write is usually done by now: completing it (and pruning the checkpoint it
             # replaces, seconds for 19 GB) overlaps the export's check, which goes on in its own process.
-            with run.timeline.phase("checkpoint"):
-                complete_checkpoint(run)
-            with run.timeline.phase("export"):
-                accepted = finish_export(run, pending, acceptance)
-        del lm
+            with worker.timeline.phase("checkpoint"):
+                trainer.checkpointing.complete(state)
+            with worker.timeline.phase("export"):
+                accepted = finish_export(trainer, state, pending, acceptance)
+        copies.clear()
     finally:
-        with run.timeline.phase("checkpoint"):
-            complete_checkpoint(run)
-    time_summary = run.timeline.summary()
-    run.log({"kind": "time", "step": cfg.train.max_steps, **time_summary})
-    if run.logger:
+        with worker.timeline.phase("checkpoint"):
+            trainer.checkpointing.complete(state)
+    time_summary = worker.timeline.summary()
+    worker.log({"kind": "time", "step": cfg.train.max_steps, **time_summary})
+    if worker.logger:
         print(format_timeline(time_summary), flush=True)
-        run.logger.close()
-    results = {"checkpoints": {"dir": run.run_dir, "latest": run.latest_checkpoint, "keep_last": cfg.checkpoint.keep_last},
-               "time": time_summary, "weights": weights()}
+        worker.logger.close()
+    results = {"checkpoints": {"dir": worker.run_dir, "latest": state.latest_checkpoint,
+                               "keep_last": cfg.checkpoint.keep_last},
+               "time": time_summary, "weights": trainer.weights()}
     if accepted is not None:
         results["export"] = accepted
     if cfg.eval.task:
-        results["evaluation"] = run.task_results
+        results["evaluation"] = state.task_results
     return results
 
 
-def start_export(run: Run, lm: PreTrainedModel, acceptance: export_lib.AcceptanceProcess | None) -> dict | None:
+def start_export(trainer: Trainer, state: LoopState, lm: PreTrainedModel,
+                 acceptance: export.AcceptanceProcess | None) -> dict | None:
     """Writes the export of the final model and starts its check (`export.start_export`) against the final
     held-out loss (measured here when the loop did not, e.g. a finished run re-run, or on seeded random blocks
     for runs without a held-out split)."""
-    cfg = run.cfg
-    heldout, kind = run.dataset.validation, "validation"
+    worker, cfg = trainer.worker, trainer.worker.cfg
+    heldout, kind = trainer.dataset.validation, "validation"
     if heldout is None:
-        heldout, kind = synthetic_heldout(lm.config.vocab_size, 2 * run.world * cfg.train.micro_batch_size,
+        heldout, kind = synthetic_heldout(lm.config.vocab_size, 2 * worker.world * cfg.train.micro_batch_size,
                                           cfg.train.seq_len, cfg.train.seed), "synthetic"
-    if run.final_eval is None or kind == "synthetic":
-        run.final_eval = evaluate(run.model, heldout, cfg, run.rank, run.world, run.device)
-    reference = {"eval_loss": run.final_eval, "step": cfg.train.max_steps, "world_size": run.world, "heldout": kind}
-    batches = heldout_batches(len(heldout), run.world, cfg.train.micro_batch_size, cfg.eval.max_batches)
-    adapters = adapter_state_dict(run.model.lm) if cfg.model.lora.rank else None  # collective when sharded
-    return export_lib.start_export(lm, run.tokenizer, cfg, run.run_dir, reference, heldout, batches, acceptance,
-                                   adapters)
+    if state.final_eval is None or kind == "synthetic":
+        state.final_eval = evaluate(trainer.model, heldout, cfg, worker.rank, worker.world, worker.device)
+    reference = {"eval_loss": state.final_eval, "step": cfg.train.max_steps, "world_size": worker.world,
+                 "heldout": kind}
+    batches = heldout_batches(len(heldout), worker.world, cfg.train.micro_batch_size, cfg.eval.max_batches)
+    adapters = adapter_state_dict(trainer.model.lm) if cfg.model.lora.rank else None  # collective when sharded
+    return export.start_export(lm, trainer.tokenizer, cfg, worker.run_dir, reference, heldout, batches, acceptance,
+                               adapters)
 
 
-def finish_export(run: Run, pending: dict | None, acceptance: export_lib.AcceptanceProcess | None) -> dict:
+def finish_export(trainer: Trainer, state: LoopState, pending: dict | None,
+                  acceptance: export.AcceptanceProcess | None) -> dict:
     """The verdict on the export `start_export` began (collective), logged."""
-    accepted = export_lib.finish_export(pending, acceptance)
-    run.log({"kind": "export", "step": run.cfg.train.max_steps, "dir": accepted["export_dir"],
-             "eval_loss": accepted["eval_loss"], "reference_eval_loss": run.final_eval,
-             "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"],
-             "timings": accepted["timings"]})
+    accepted = export.finish_export(pending, acceptance)
+    trainer.worker.log({"kind": "export", "step": trainer.worker.cfg.train.max_steps, "dir": accepted["export_dir"],
+                        "eval_loss": accepted["eval_loss"], "reference_eval_loss": state.final_eval,
+                        "abs_diff": accepted["abs_diff"], "generation": accepted["generation"]["text"],
+                        "timings": accepted["timings"]})
     return accepted

@@ -51,15 +51,6 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, fro
     return 6 * n_params - 2 * frozen + 12 * n_layers * hidden * seq_len
 
 
-def progress_style(setting: str, terminal: bool, via_ray_driver: bool) -> str | None:
-    """How rank 0 shows its progress bar (`logging.progress_bar`): `tqdm`, drawn by this process on its stderr;
-    `ray` (`via_ray_driver`), `ray.experimental.tqdm_ray`, whose state the worker prints and the Ray driver draws
-    (a Ray worker's stderr is a log file, never a terminal); or None. `auto` shows it when the stream it would be
-    drawn on is a `terminal` (the launcher knows which stream that is: `contract.Launcher.progress_style`);
-    redirected output gets no bar redraws."""
-    if setting == "off" or (setting == "auto" and not terminal):
-        return None
-    return "ray" if via_ray_driver else "tqdm"
 
 
 TENSORBOARD_DIR = "tensorboard"
@@ -130,16 +121,6 @@ class TensorBoardLog:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def is_terminal(stream) -> bool:
-    """Whether a progress bar drawn on `stream` can be seen: a terminal with a width. A pseudo-terminal without one
-    (0 columns: `script` run with no terminal of its own) is a terminal to `isatty`, but tqdm, which sizes its bar to
-    the width, draws nothing there."""
-    if not stream.isatty():
-        return False
-    try:
-        return os.get_terminal_size(stream.fileno()).columns > 0
-    except (AttributeError, OSError, ValueError):  # a stream with no file descriptor (tests' stand-ins)
-        return True
 
 
 class MetricsLogger:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import config as config_lib
+from .model.causal_lm import full
 
 
 def build_optimizer(model: torch.nn.Module, cfg: config_lib.TrainConfig) -> torch.optim.Optimizer:
@@ -32,8 +33,3 @@ def clip_in_step(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Ten
     norm = full(torch.nn.utils.get_total_norm(grads, foreach=True))
     optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0) if max_norm else None
     return norm
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (the gradient norm is one when FSDP shards the gradients); any other tensor as is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

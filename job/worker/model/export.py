@@ -1,12 +1,7 @@
 """The checked Hugging Face export: write the trained model once, reload it in a fresh process, and accept it only
-if it reproduces the final in-training held-out loss.
+if it reproduces the final in-training held-out loss. Its layout is `common/exports.py`'s.
 
-    <run>/export/   model.safetensors, config.json, generation_config.json, tokenizer files,
-                    reference.json   what the acceptance check must reproduce (loss, step, how it was measured)
-                    heldout.safetensors   the held-out blocks of that final evaluation, in its micro-batches
-                    acceptance.json  the check's result; `_VALID` once it passed (written last)
-
-The weights come from the unsharded copy that the final task evaluation also uses (`model.gathered_copy`: one
+The weights come from the unsharded copy that the final task evaluation also uses (`parallelize.gathered_copy`: one
 gather for both), in the dtype training computed in (bf16 on GPU), so the reloaded model computes what the
 trained one did. The acceptance check runs in a new interpreter (`python -m job accept EXPORT_DIR`): nothing of
 the training process (FSDP, hooks, in-memory weights) can leak into it. It reads the held-out blocks from the
@@ -34,20 +29,17 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .. import config as config_lib
-from .. import PACKAGE_DIR
-from .. import storage
-from . import data as data_lib
-from .data import vocabulary_sha256
-from .generate import greedy_generate
+from ... import PACKAGE_DIR
+from ... import config as config_lib
+from ... import storage
+from ...common.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_DIR, HELDOUT, MERGED, VALID
+from .. import data as data_lib
+from ..data import vocabulary_sha256
+from ..evaluation.generate import greedy_generate
+from .causal_lm import CausalLMWithLoss, build_causal_lm
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-EXPORT_DIR = "export"
-VALID = "_VALID"
-"""Marker written into the export directory once the fresh-process acceptance check passed."""
-HELDOUT = "heldout.safetensors"
 
 
 class ExportError(RuntimeError):
@@ -170,13 +162,6 @@ def _write(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: 
         json.dump({**reference, "batch_sizes": [len(b) for b in batches], "config": config_lib.to_dict(cfg)}, f, indent=1)
 
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-MERGED = "merged"
-"""With LoRA: the export holds a PEFT adapter (`ADAPTER_CONFIG`, `ADAPTER_WEIGHTS`), and `merged/` the merged
-full weights with `model.lora.merged_export`."""
-
-
 def peft_adapter_config(cfg: config_lib.RunConfig, target_modules: list[str]) -> dict:
     """PEFT's `adapter_config.json` of the run's adapters (what `peft.PeftModel.from_pretrained` and vLLM read):
     plain LoRA (no rsLoRA, DoRA or bias training), scaling `lora_alpha / r`."""
@@ -238,23 +223,12 @@ def _publish(stage: str, final: str) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
-def export_is_valid(run_dir: str, step: int) -> bool:
-    """Whether `<run>/export/` holds an accepted export of `step` (a finished run re-run skips the export)."""
-    marker = storage.join(run_dir, EXPORT_DIR, VALID)
-    try:
-        return storage.exists(marker) and json.loads(storage.read_bytes(marker)).get("step") == step
-    except (OSError, ValueError):
-        return False
-
-
 def prepare_acceptance() -> None:
     """What `accept` needs before it has an export to read: its imports (~20 s on a GPU machine). The device
     is initialized only once an export arrives, so the waiting process holds no GPU memory while training runs."""
     import safetensors.torch  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-    from . import evaluate  # noqa: F401
 
 
 def accept(export_dir: str) -> dict:
@@ -347,8 +321,6 @@ def base_with_adapter(export_dir: str, cfg: config_lib.RunConfig, tokenizer: Pre
     `dtype` (training's compute dtype): what any PEFT loader gets, without PEFT (the image has none)."""
     from safetensors.torch import load_file
 
-    from .model import build_causal_lm  # the driver imports this module, the model only a worker
-
     with open(os.path.join(export_dir, ADAPTER_CONFIG)) as f:
         adapter = json.load(f)
     scaling = adapter["lora_alpha"] / adapter["r"]
@@ -367,8 +339,6 @@ def base_with_adapter(export_dir: str, cfg: config_lib.RunConfig, tokenizer: Pre
 def _heldout_loss(lm: PreTrainedModel, cfg: config_lib.RunConfig, blocks: dict[str, torch.Tensor],
                   batch_sizes: list[int], device: torch.device) -> tuple[float, int]:
     """`lm`'s mean loss on the held-out blocks in the final evaluation's micro-batches, and their target count."""
-    from .model import CausalLMWithLoss  # the driver imports this module, the model only a worker
-
     model = CausalLMWithLoss(lm, cfg.train.loss_chunk_size).eval()  # as lean on memory as the training eval
     totals = torch.zeros(2, dtype=torch.float64)
     start = 0

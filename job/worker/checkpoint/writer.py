@@ -1,7 +1,7 @@
 """Saving checkpoints while training goes on: the asynchronous writer (`Checkpointer`, DCP in a writer process or a
-thread), where a save first copies the state (on the device, or host buffers: `choose_staging`, `HostStager`) and
-which writer runs (`choose_writer`). What a checkpoint holds, how it is verified, chosen and read back is
-`checkpoint.py`'s; this module writes that layout.
+thread), where a save first copies the state (on the device, or host buffers: `staging.py`) and which writer runs
+(`choose_writer`). What a checkpoint holds and how it is verified is `common/checkpoints.py`'s; this module writes
+that layout.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import config as config_lib
-from .. import storage
-from .checkpoint import (COMPLETE, STATE, CheckpointError, failure_causes, prune, step_dir, train_state, trained_only,
-                         trained_state_dicts, without_frozen, write_checksums)
-from .checkpoint import architecture as _arch  # the name `Checkpointer.save` reads it by
-from .model import CausalLMWithLoss, plain_name
+from ... import config as config_lib
+from ... import storage
+from ...common.checkpoints import COMPLETE, STATE, CheckpointError, architecture, prune, step_dir, write_checksums
+from ..model.causal_lm import CausalLMWithLoss
+from ..model.parallelize import plain_name
+from .resume import failure_causes, train_state, trained_only, trained_state_dicts, without_frozen
 from .staging import HostStager, choose_staging, layout_bytes, map_tensors, tensor_layout
 
 
@@ -120,7 +120,7 @@ class Checkpointer:
         model_sd, optim_sd = trained_state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         rng = _torch_bytes(_rng_state())
-        self.arch = _arch(model.lm.config)
+        self.arch = architecture(model.lm.config)
         staged = copied = None
         if self.staging["on"] == "device":
             self.device_copy = state if last else map_tensors(state, lambda _, tensor: tensor.detach().clone())
@@ -170,7 +170,6 @@ class Checkpointer:
         copied into host memory here, once `copied` says it is made); returns (seconds since the save was staged at
         `start`, a wait for the writer process's start included; of them checksumming)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if staged is None:
             try:  # on this worker's device: a thread's current CUDA device is the first one
@@ -183,8 +182,7 @@ class Checkpointer:
         # the interpreter: the evaluations and the export would (the final held-out pass of the 1.5B took 21.8 s
         # beside a writer thread, 3.1 s beside the process).
         if self.writer["writer"] == "process":  # DCP's writer process, started by `prepare`
-            dcp.async_save(staged, storage_writer=_writer(uri), process_group=self.group,
-                           async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=ALREADY_STAGED).result()
+            write_in_process(staged, _writer(uri), self.group)
         else:
             dcp.save(staged, storage_writer=_writer(uri), process_group=self.group)
         if self.injected_write_error is not None:  # after DCP's collectives: no rank hangs
@@ -262,7 +260,14 @@ class _AlreadyStaged:
         pass
 
 
-ALREADY_STAGED = _AlreadyStaged()
+def write_in_process(staged: dict, storage_writer, group: dist.ProcessGroup | None = None) -> None:
+    """Writes `staged` (already in host memory: `HostStager`, shared for this) with DCP's writer process, which reads
+    it from shared memory; returns once it is written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    dcp.async_save(staged, storage_writer=storage_writer, process_group=group,
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=_AlreadyStaged()).result()
 
 
 SHARED_MEMORY = "/dev/shm"

@@ -1,7 +1,7 @@
 """Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`, or `report --storage STORAGE NAME` for a run
-of the index (`job/records/runs.py`).
+of the index (`runs.py`).
 
-Reads `run.json` (the run record, see `evidence.py`) and `metrics.jsonl` from the run
+Reads `run.json` (the run record, see `run_record.py`) and `metrics.jsonl` from the run
 directory (local or `s3://`) and writes, into `--out` (default: the run directory when it
 is local, else `./<run name>-report`):
 
@@ -23,7 +23,8 @@ import sys
 from typing import Any
 
 from .. import storage
-from . import evidence, failures, runs
+from ..records import failures, run_record
+from . import runs
 
 # Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
@@ -76,7 +77,7 @@ def _method(summary: dict) -> str:
 
 def config_highlights(config: dict, limit: int = 16) -> list[tuple[str, Any]]:
     """Leaf values of the config whose key looks important (model, lr, batch, steps, ...)."""
-    flat = evidence.flatten(config or {})
+    flat = run_record.flatten(config or {})
     chosen = [(k, v) for k, v in flat.items()
               if any(w in k.rsplit(".", 1)[-1].lower() for w in _HIGHLIGHT_WORDS)]
     if not chosen:
@@ -227,7 +228,7 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
     rows = [
         ("Status", rec.get("status", "-") + (f" — {failures.one_line(rec['error'])}" if rec.get("error") else "")),
         ("Attempts", 1 + len(rec.get("previous_attempts") or []) + len(rec.get("later_attempts") or [])),
-        ("Later attempts", evidence.later_attempts_line(rec) or "-"),
+        ("Later attempts", run_record.later_attempts_line(rec) or "-"),
         ("Started", rec.get("started_at")),
         ("Ended", rec.get("ended_at")),
         ("Duration (this attempt's record)", _duration(rec.get("duration_s"))),
@@ -246,7 +247,7 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
 
     data = rec.get("data") or {}
     lines += ["## Data", "", f"- tokenizer sha256: {_fmt(data.get('tokenizer_sha256'))}"]
-    fingerprint = evidence.flatten(data.get("fingerprint") or {})
+    fingerprint = run_record.flatten(data.get("fingerprint") or {})
     lines += [f"- `{k}`: {_fmt(v)}" for k, v in fingerprint.items()] or ["- fingerprint: -"]
     lines.append("")
 
@@ -302,6 +303,42 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
     return "\n".join(lines)
 
 
+def write_report(run_dir: str, out: str, plots: bool = True) -> list[str]:
+    """Writes `<out>/report.md` (and, with `plots`, the plots) for the run at `run_dir`; returns the file names
+    written, report.md first. Raises `ReportError` (one line) when the run cannot be read or `out` not created; a
+    plot that cannot be drawn is a note in the report, said on stderr."""
+    notes: list[str] = []
+    try:
+        record = run_record.load_record(run_dir)
+    except FileNotFoundError as exc:
+        record = None
+        notes.append(str(exc))
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"cannot read run.json in {run_dir}: {exc}") from None
+    try:
+        rows = run_record.read_metrics(run_dir)
+    except FileNotFoundError:
+        rows = []
+        notes.append(f"no {run_record.METRICS_FILE} in {run_dir}")
+    if record is None and not rows:
+        raise ReportError(f"{run_dir} has neither run.json nor {run_record.METRICS_FILE}")
+    summary = run_record.summarize_metrics(rows) if rows else ((record or {}).get("metrics") or {})
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(f"--out {out}: cannot create the directory ({exc.strerror})") from None
+    drawn: list[str] = []
+    if plots and rows:
+        try:
+            drawn = plot_metrics(rows, out)
+        except ReportError as exc:
+            notes.append(str(exc))
+            print(f"report: {exc}", file=sys.stderr)
+    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
+        f.write(render_markdown(record, summary, drawn, notes, rows))
+    return ["report.md", *drawn]
+
+
 def main(argv: list[str]) -> int:
     """`python -m job report RUN_DIR [--out DIR] [--no-plots]`; `argv` excludes "report".
 
@@ -319,46 +356,12 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:
         return 2 if exc.code else 0
     try:
-        args.run_dir = runs.resolve_run(args.run_dir, args.storage)
-    except runs.RunsError as exc:
+        run_dir = runs.resolve_run(args.run_dir, args.storage)
+        out = args.out or (f"./{os.path.basename(run_dir.rstrip('/'))}-report" if storage.is_remote(run_dir)
+                           else run_dir)
+        written = write_report(run_dir, out, plots=not args.no_plots)
+    except (runs.RunsError, ReportError) as exc:
         print(f"report: {exc}", file=sys.stderr)
         return 2
-
-    notes: list[str] = []
-    try:
-        record = evidence.load_record(args.run_dir)
-    except FileNotFoundError as exc:
-        record = None
-        notes.append(str(exc))
-    except (OSError, ValueError) as exc:
-        print(f"report: cannot read run.json in {args.run_dir}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        rows = evidence.read_metrics(args.run_dir)
-    except FileNotFoundError:
-        rows = []
-        notes.append(f"no {evidence.METRICS_FILE} in {args.run_dir}")
-    if record is None and not rows:
-        print(f"report: {args.run_dir} has neither run.json nor {evidence.METRICS_FILE}", file=sys.stderr)
-        return 2
-
-    summary = evidence.summarize_metrics(rows) if rows else ((record or {}).get("metrics") or {})
-    name = (record or {}).get("run_name") or os.path.basename(args.run_dir.rstrip("/"))
-    out = args.out or (f"./{name}-report" if storage.is_remote(args.run_dir) else args.run_dir)
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        print(f"report: --out {out}: cannot create the directory ({exc.strerror})", file=sys.stderr)
-        return 2
-
-    plots: list[str] = []
-    if not args.no_plots and rows:
-        try:
-            plots = plot_metrics(rows, out)
-        except ReportError as exc:
-            notes.append(str(exc))
-            print(f"report: {exc}", file=sys.stderr)
-    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
-        f.write(render_markdown(record, summary, plots, notes, rows))
-    print(f"report: wrote {os.path.join(out, 'report.md')}" + (f" and {', '.join(plots)}" if plots else ""))
+    print(f"report: wrote {os.path.join(out, written[0])}" + (f" and {', '.join(written[1:])}" if written[1:] else ""))
     return 0

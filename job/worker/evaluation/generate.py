@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..data import pad_id
+
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 CHECK_EVERY = 16
 """Decode steps between two looks at whether every row has ended (each look waits for the device)."""
@@ -238,3 +240,30 @@ def generated_lengths(new: torch.Tensor, eos_token_id: int | None) -> list[int]:
     ended = (new == eos_token_id).int()
     first = ended.argmax(dim=1) + 1
     return torch.where(ended.any(dim=1), first, new.shape[1]).tolist()
+
+
+def decode_continuation(tokenizer: PreTrainedTokenizerBase, output_row: torch.Tensor, prompt_len: int) -> str:
+    """The generated text after the prompt, cut at the first EOS."""
+    new = output_row[prompt_len:].tolist()
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def generate_sample(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, n_tokens: int,
+                    device: torch.device) -> str:
+    """Greedy continuation of `prompt` by the unsharded `lm`."""
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+    out = greedy_generate(lm, ids, torch.ones_like(ids), n_tokens, tokenizer.eos_token_id, pad_id(tokenizer))
+    return decode_continuation(tokenizer, out.ids[0], ids.shape[1])
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `input_ids` and `attention_mask` (generation continues every row from the same column)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask

@@ -1,9 +1,8 @@
 """The model's architecture without its weights: the presets, and the Hugging Face config a run builds from.
 
-Apart from `model` (which builds, wraps and shards the model on the workers), so that the driver can check a
-config against the model's architecture (`launch.check_before_start`, through `config_fields`) without
-importing what training needs, nor Transformers itself (its config classes import much of it: ~7 s of the
-driver's start).
+Apart from `worker/model/` (which builds, wraps and shards the model), so that the driver can check a config
+against the model's architecture (`launch.check_before_start`, through `config_fields`) without importing what
+training needs, nor Transformers itself (its config classes import much of it: ~7 s of the driver's start).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ runs list in about a second. Reads go through fsspec's batched `cat`, which s3fs
 
 Row status (`STATUSES`): the record's own (`running`, `succeeded`, `failed`, `cancelled`, `abandoned`), except
 
-* `stale`      -- the record says `running` but its driver's heartbeat is stale (`failures.liveness`): the driver
+* `stale`      -- the record says `running` but its driver's heartbeat is stale (`lease.liveness`): the driver
                   is gone, and the next start of the run will mark it `abandoned`;
 * `starting`   -- no run.json yet, but a fresh driver heartbeat (the run is before its first record);
 * `unreadable` -- a run directory whose run.json is missing, half written or not a run record; `reason` says
@@ -40,11 +40,11 @@ from typing import Any, Iterable
 
 from .. import packages, storage
 from ..config import json_schema
-from . import failures
-from .evidence import CLOSED_STATUSES, METRICS_FILE, RUN_RECORD, check_types, later_attempts_line, schema_path
+from ..records import lease
+from ..records.run_record import CLOSED_STATUSES, METRICS_FILE, RUN_RECORD, check_types, later_attempts_line, schema_path
 
 STATUSES = ("running", "stale", "starting", *CLOSED_STATUSES, "unreadable")
-RUN_FILES = (RUN_RECORD, METRICS_FILE, "config.yaml", failures.HEARTBEAT_FILE, "lease.json")
+RUN_FILES = (RUN_RECORD, METRICS_FILE, "config.yaml", lease.HEARTBEAT_FILE, lease.LEASE_FILE)
 """Files that make a directory a run directory (with `checkpoint_*`): the driver writes lease.json first."""
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A bare run name (config.RunConfig.name's pattern); anything else given to `resolve_run` is a path."""
@@ -58,7 +58,7 @@ class RunsError(ValueError):
 
 
 @dataclasses.dataclass
-class Run:
+class RunRow:
     """One row of the index. `record` (the parsed run.json) feeds `--where` on run.json paths; it is not shown."""
 
     name: str
@@ -83,7 +83,7 @@ class Run:
         return {f: getattr(self, f) for f in COLUMNS}
 
 
-COLUMNS = tuple(f.name for f in dataclasses.fields(Run) if f.name != "record")
+COLUMNS = tuple(f.name for f in dataclasses.fields(RunRow) if f.name != "record")
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def parse_record(data: bytes) -> dict:
     return record
 
 
-def from_record(name: str, path: str, record: dict) -> Run:
+def from_record(name: str, path: str, record: dict) -> RunRow:
     """The row of a readable record (its liveness not yet judged: see `_judge_running`)."""
     tasks = _get(record, "metrics", "task_eval")
     task, score = None, None
@@ -131,7 +131,7 @@ def from_record(name: str, path: str, record: dict) -> Run:
         score = _get(result, "exact_match")
     error = record.get("error")
     previous, later = record.get("previous_attempts"), record.get("later_attempts")
-    return Run(
+    return RunRow(
         name=name, path=path, status=record["status"],
         started=record.get("started_at"), ended=record.get("ended_at"),
         attempts=1 + sum(len(a) for a in (previous, later) if isinstance(a, list)),
@@ -142,12 +142,12 @@ def from_record(name: str, path: str, record: dict) -> Run:
         reason=later_attempts_line(record), record=record)
 
 
-def _judge_running(run: Run) -> None:
+def _judge_running(run: RunRow) -> None:
     """A `running` row whose driver's heartbeat is stale becomes `stale`, with the heartbeat's time."""
     try:
-        if failures.liveness(run.path, run.record) != "stale":
+        if lease.liveness(run.path, run.record) != "stale":
             return
-        beat = failures.read_heartbeat(run.path) or {}
+        beat = lease.read_heartbeat(run.path) or {}
     except Exception as exc:  # noqa: BLE001 -- an unreadable heartbeat leaves the row running, saying why
         run.reason = f"heartbeat unreadable: {_storage_problem(exc)}"
         return
@@ -156,22 +156,22 @@ def _judge_running(run: Run) -> None:
                   "the next start marks it abandoned")
 
 
-def _without_record(fs, name: str, path: str, fs_path: str) -> Run | None:
+def _without_record(fs, name: str, path: str, fs_path: str) -> RunRow | None:
     """The row of a directory without run.json: None when it holds none of a run's files (not a run), `starting`
     when its driver's heartbeat is fresh, else `unreadable`."""
     try:
         files = sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(fs_path, detail=False))
         present = [f for f in files if f in RUN_FILES or f.startswith("checkpoint_")]
-        if present and failures.liveness(path, {"status": "running"}) == "live":
-            return Run(name=name, path=path, status="starting", reason=f"no {RUN_RECORD} yet; the driver's heartbeat is fresh")
+        if present and lease.liveness(path, {"status": "running"}) == "live":
+            return RunRow(name=name, path=path, status="starting", reason=f"no {RUN_RECORD} yet; the driver's heartbeat is fresh")
     except Exception as exc:  # noqa: BLE001 -- a directory that cannot be listed is a row, not the listing's end
-        return Run(name=name, path=path, status="unreadable", reason=f"no {RUN_RECORD}; {_storage_problem(exc)}")
+        return RunRow(name=name, path=path, status="unreadable", reason=f"no {RUN_RECORD}; {_storage_problem(exc)}")
     if not present:
         return None
-    return Run(name=name, path=path, status="unreadable", reason=f"no {RUN_RECORD} (has {', '.join(present[:4])})")
+    return RunRow(name=name, path=path, status="unreadable", reason=f"no {RUN_RECORD} (has {', '.join(present[:4])})")
 
 
-def list_runs(storage_path: str) -> list[Run]:
+def list_runs(storage_path: str) -> list[RunRow]:
     """Every run directory directly under `storage_path`, as rows, in directory order.
 
     Raises `RunsError` for a storage path that cannot be listed (missing, not a directory, credentials, the
@@ -201,12 +201,12 @@ def list_runs(storage_path: str) -> list[Run]:
         if isinstance(data, FileNotFoundError):
             run = _without_record(fs, name, path, fs_path)
         elif isinstance(data, Exception):
-            run = Run(name=name, path=path, status="unreadable", reason=f"cannot read {RUN_RECORD}: {_storage_problem(data)}")
+            run = RunRow(name=name, path=path, status="unreadable", reason=f"cannot read {RUN_RECORD}: {_storage_problem(data)}")
         else:
             try:
                 run = from_record(name, path, parse_record(data))
             except ValueError as exc:
-                run = Run(name=name, path=path, status="unreadable", reason=str(exc))
+                run = RunRow(name=name, path=path, status="unreadable", reason=str(exc))
         if run is not None:
             runs.append(run)
     with ThreadPoolExecutor(max_workers=16) as pool:  # a heartbeat read each: concurrent on an object store
@@ -290,7 +290,7 @@ def check_field(field: str) -> None:
         raise RunsError(problem)
 
 
-def value_of(run: Run, field: str) -> Any:
+def value_of(run: RunRow, field: str) -> Any:
     """A row column, or the value at a dotted run.json path (`_MISSING` when the record lacks it)."""
     if field in COLUMNS:
         value = getattr(run, field)
@@ -336,7 +336,7 @@ class Condition:
             raise RunsError(f"--where {expression!r}: {exc}") from None
         return cls(m["field"], m["op"], m["value"])
 
-    def holds(self, run: Run) -> bool:
+    def holds(self, run: RunRow) -> bool:
         actual = value_of(run, self.field)
         if actual is _MISSING:
             return self.op == "!="
@@ -357,8 +357,8 @@ class Condition:
             return False
 
 
-def select(runs: Iterable[Run], *, statuses: Iterable[str] = (), names: Iterable[str] = (),
-           where: Iterable[Condition] = ()) -> list[Run]:
+def select(runs: Iterable[RunRow], *, statuses: Iterable[str] = (), names: Iterable[str] = (),
+           where: Iterable[Condition] = ()) -> list[RunRow]:
     """The runs that pass every filter (an empty filter passes all)."""
     statuses, names, where = set(statuses), list(names), list(where)
     return [r for r in runs
@@ -367,9 +367,9 @@ def select(runs: Iterable[Run], *, statuses: Iterable[str] = (), names: Iterable
             and all(c.holds(r) for c in where)]
 
 
-def sort_runs(runs: list[Run], key: str, reverse: bool = False) -> list[Run]:
+def sort_runs(runs: list[RunRow], key: str, reverse: bool = False) -> list[RunRow]:
     """Sorted by `key` (then name); missing values last either way; numbers before text."""
-    def sort_key(run: Run):
+    def sort_key(run: RunRow):
         value = value_of(run, key)
         number = None if isinstance(value, str) else _number(value)
         return (0, number, "") if number is not None else (1, 0.0, str(value))
@@ -389,7 +389,7 @@ def _time(iso: str | None) -> str:
         return "-" if iso is None else str(iso)
 
 
-def _cells(run: Run) -> list[str]:
+def _cells(run: RunRow) -> list[str]:
     pct = lambda v: f"{v:.1%}" if isinstance(v, (int, float)) else "-"  # noqa: E731
     image = run.image or "-"
     if image.startswith("sha256:"):
@@ -406,13 +406,13 @@ HEADER = ["NAME", "STATUS", "STARTED (UTC)", "ENDED (UTC)", "ATTEMPTS", "STEPS",
           "CHART", "IMAGE", "FAILURE / REASON"]
 
 
-def format_table(runs: list[Run]) -> str:
+def format_table(runs: list[RunRow]) -> str:
     rows = [HEADER] + [_cells(r) for r in runs]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows)
 
 
-def summary_line(storage_path: str, shown: list[Run], total: list[Run]) -> str:
+def summary_line(storage_path: str, shown: list[RunRow], total: list[RunRow]) -> str:
     counts = [f"{n} {s}" for s in ("running", "stale", "starting", "failed", "unreadable")
               if (n := sum(r.status == s for r in total))]
     return (f"{len(shown)} of {len(total)} runs under {storage_path}"

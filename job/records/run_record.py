@@ -438,16 +438,16 @@ def _opened_since(record: dict, since: float) -> bool:
 
 
 def abandon_stale(run_dir: str) -> dict | None:
-    """At the start of a run: a record left `running` by a driver whose heartbeat is stale (`failures.liveness`)
+    """At the start of a run: a record left `running` by a driver whose heartbeat is stale (`lease_lib.liveness`)
     is closed `abandoned` (`unknown`/`driver_lost`), ending when it was last seen (its last metrics record, else
     its last heartbeat). Returns the record written, or None when there was nothing to close."""
     try:
         record = load_latest(run_dir)
     except (OSError, ValueError):
         return None
-    if failures.liveness(run_dir, record) != "stale":
+    if lease_lib.liveness(run_dir, record) != "stale":
         return None
-    beat = failures.read_heartbeat(run_dir) or {}
+    beat = lease_lib.read_heartbeat(run_dir) or {}
     seen = _last_seen(run_dir, record.get("started_at"))
     error = failures.error("unknown", "driver_lost", f"the driver stopped its heartbeat (last at {beat.get('at')}) "
                            "without closing the record (killed, its pod or node lost)", step=seen.get("steps"))

@@ -1,10 +1,11 @@
-"""What a checkpoint is: its place in the run directory, how it is verified (checksums) and chosen for a resume
-(`find_resume_point`, the run's identity), and how it is read back (`restore`). Saving one while training goes
-on is `checkpoint_writer.py`'s; the faults a drill injects are `faults.py`'s.
+"""What a checkpoint is: its place in the run directory, how it is verified (checksums) and which runs it may
+continue (the run's identity), without torch: the driver checks a resume here before any worker
+starts. Finding the resume point among the ranks and reading a checkpoint back is `worker/checkpoint/resume.py`'s,
+saving one while training goes on `worker/checkpoint/writer.py`'s.
 
 Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS path or an `s3://` URI):
 
-    config.yaml                      resolved config that trained the checkpoints (evidence.config_file)
+    config.yaml                      resolved config that trained the checkpoints (run_record.config_file)
     lease.json, heartbeat.json       the driver writing the run, while it runs (job/records/lease.py)
     attempts/<n>/                    config.yaml and run.json of attempts that ran beside a finished record
     metrics.jsonl                    rank 0's metric records (lines past a resumed step are dropped)
@@ -19,13 +20,13 @@ Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS 
         _UNUSABLE                        (only) a complete checkpoint that failed verification on resume
     export/                          model.safetensors, config.json, tokenizer files, reference.json,
                                      acceptance.json and the `_VALID` marker once the reload check passed
-    data_cache/<key>.pt              the run's tokenized, packed data, built once (data.build_once)
+    data_cache/<key>.pt              the run's tokenized, packed data, built once (worker/data.py build_once)
     faults/                          markers of injected faults (debug.fail_at_step), so each fires once
     workers/rank<r>.pid              worker process ids (local storage only; for failure drills)
 
 Beside the runs, `<storage_path>/.compile_cache/<key>.bin` keeps what `torch.compile` built (job/worker/compile_cache.py).
 
-Both launchers run the same code (`checkpoint_writer.Checkpointer`): every rank writes its DCP shards straight
+Both launchers run the same code (`worker/checkpoint/writer.py`, `Checkpointer`): every rank writes its DCP shards straight
 to the checkpoint directory and lists their checksums, then rank 0 writes `train_state.json` and `_COMPLETE` and
 prunes old checkpoints. A resume (worker-group restart, retried job, re-run) scans the run directory, newest first, for a checkpoint
 whose files all match their checksums. Checkpoints are not reported to Ray Train: its own bookkeeping would
@@ -34,34 +35,32 @@ refuse a restart when a listed checkpoint is gone, and prune without knowing whi
 
 from __future__ import annotations
 
-import io
 import json
-import random
-import time
-from typing import TYPE_CHECKING
-
-import numpy as np
-import torch
-import torch.distributed as dist
 
 from .. import config as config_lib
 from .. import storage
-from . import schedule
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
-    from .model import CausalLMWithLoss
 
 COMPLETE = "_COMPLETE"
 """Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
+
+
 UNUSABLE = "_UNUSABLE"
 """Marker written into a complete checkpoint that failed verification on resume, with the reason: never used again."""
+
+
 CHECKSUMS = "checksums"
 """Directory of a checkpoint holding `rank<r>.json`: sha256 and size of each file rank r wrote."""
+
+
 STATE = "train_state.json"
+
+
 PREFIX = "checkpoint_"
+
+
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
 
@@ -100,11 +99,6 @@ def latest_complete(run_dir: str) -> str | None:
     return complete[-1] if complete else None
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Integrity: content checksums written with every checkpoint, verified before it is loaded
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def write_checksums(uri: str, rank: int) -> None:
     """Writes `checksums/rank<r>.json` into checkpoint `uri`: sha256 and size of every file this rank wrote
     (its DCP shards `__<rank>_*.distcp`, rank 0 also `.metadata`, and its RNG file), read back from storage,
@@ -127,7 +121,7 @@ def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
     one per file ("<file> (written by rank <r>): ..."). The lists of writer ranks `rank`, `rank + world`, ...
     are this caller's share, so `world` ranks verify a checkpoint together, each reading a part of it.
     Checkpoints of train-state format 1 (before checksums) have nothing to verify."""
-    state = _read_state(uri)
+    state = read_state(uri)
     if state.get("format", 1) < 2:
         return []
     problems = []
@@ -150,38 +144,13 @@ def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
     return problems
 
 
-def _read_state(uri: str) -> dict:
+def read_state(uri: str) -> dict:
     try:
         state = json.loads(storage.read_bytes(storage.join(uri, STATE)))
         state["step"] = int(state["step"])
         return state
     except Exception as e:
         raise CheckpointError(f"checkpoint {uri}: cannot read {STATE}: {type(e).__name__}: {e}") from e
-
-
-def _unusable_reason(uri: str) -> str | None:
-    """Why checkpoint `uri` cannot be resumed from, or None (collective: the checksum verification is shared
-    among the ranks and every rank gets the same answer)."""
-    problems = []
-    if not storage.exists(storage.join(uri, COMPLETE)):
-        problems.append(f"incomplete (no {COMPLETE} marker: the save was interrupted)")
-    elif storage.exists(storage.join(uri, UNUSABLE)):
-        marker = json.loads(storage.read_bytes(storage.join(uri, UNUSABLE)))
-        problems.append(f"found unusable by an earlier resume: {marker['reason']}")
-    else:
-        try:
-            problems += verify(uri, dist.get_rank(), dist.get_world_size())
-        except CheckpointError as e:
-            problems.append(str(e).removeprefix(f"checkpoint {uri}: "))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
-    unique = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
-    return "; ".join(unique) or None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Resume policy
-# --------------------------------------------------------------------------------------------------------------------
 
 
 def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
@@ -215,41 +184,14 @@ def retire_ray_snapshot(run_dir: str) -> bool:
     return True
 
 
-def find_resume_point(cfg: config_lib.RunConfig, run_dir: str) -> tuple[str | None, list[dict]]:
-    """The checkpoint this worker group starts from (None: from scratch) and the checkpoints skipped as
-    unusable, newest first, each `{"checkpoint", "step", "reason"}` (collective: every rank calls it).
+IDENTITY_FIELDS = {"tokenizer": "tokenizer", "data": "data", "seq_len": "train.seq_len", "seed": "train.seed",
+                   "global_batch": "global batch (train.micro_batch_size x train.grad_accum_steps x workers)"}
+"""Each `run_identity` key and the setting it is named by in a refusal."""
 
-    One rule for every launcher and every restart (a worker-group restart, a retried job, a re-run of the same
-    name): the run's checkpoint directories are tried newest first, and the first usable one wins: complete,
-    its train state readable and every file matching its checksum (each rank verifies a share). A newer one
-    that is not usable is skipped, and the caller records it and why (`metrics.jsonl` resume record,
-    `run.json` `resumed_from`); a complete one found corrupt is also marked `_UNUSABLE`, so later prunes
-    delete it and later resumes skip it without reading it again. When the run has complete checkpoints but
-    none is usable, `CheckpointError` lists each and why: a run that saved progress never starts from scratch
-    silently. Only a run without a complete checkpoint of its own starts from an explicit `resume` URI.
-    """
-    skipped = []
-    entries = list_checkpoints(run_dir)
-    for step, uri, _ in reversed(entries):
-        reason = _unusable_reason(uri)
-        if reason is None:
-            return uri, skipped
-        skipped.append({"checkpoint": uri, "step": step, "reason": reason})
-        complete = storage.exists(storage.join(uri, COMPLETE))
-        if complete and not storage.exists(storage.join(uri, UNUSABLE)) and dist.get_rank() == 0:
-            storage.write_atomic(storage.join(uri, UNUSABLE), json.dumps({"reason": reason, "time": time.time()}))
-    if any(storage.exists(storage.join(s["checkpoint"], COMPLETE)) for s in skipped):
-        listing = "; ".join(f"{s['checkpoint']}: {s['reason']}" for s in skipped)
-        raise CheckpointError(
-            f"run {run_dir} has checkpoints, but none can be resumed from ({listing}). To start this run over, "
-            f"delete its checkpoints (rm -r {storage.join(run_dir, PREFIX)}*) or choose a new run name")
-    policy = cfg.checkpoint.resume
-    if policy in ("auto", "never"):
-        return None, skipped
-    reason = _unusable_reason(policy) if storage.exists(policy) else "no checkpoint there"
-    if reason is not None:
-        raise CheckpointError(f"checkpoint.resume: {policy}: {reason}")
-    return policy, skipped
+
+ADAPTER_FIELDS = {"lora": "model.lora (rank, alpha, targets)", "base": "the frozen base weights (model.path)"}
+"""`adapter_identity`'s keys: a LoRA checkpoint holds adapters of one base, never resumed onto another, nor by
+a full fine-tune (or the other way round); no `allow_changes` lifts these."""
 
 
 def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> dict:
@@ -269,14 +211,6 @@ def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> di
         "seed": cfg.train.seed,
         "global_batch": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world,
     }
-
-
-IDENTITY_FIELDS = {"tokenizer": "tokenizer", "data": "data", "seq_len": "train.seq_len", "seed": "train.seed",
-                   "global_batch": "global batch (train.micro_batch_size x train.grad_accum_steps x workers)"}
-"""Each `run_identity` key and the setting it is named by in a refusal."""
-ADAPTER_FIELDS = {"lora": "model.lora (rank, alpha, targets)", "base": "the frozen base weights (model.path)"}
-"""`adapter_identity`'s keys: a LoRA checkpoint holds adapters of one base, never resumed onto another, nor by
-a full fine-tune (or the other way round); no `allow_changes` lifts these."""
 
 
 def adapter_identity(cfg: config_lib.RunConfig, base_fingerprint: dict) -> dict:
@@ -319,78 +253,18 @@ def _identity_value(value) -> str:
     return f"sha256 {value[:12]}…" if isinstance(value, str) else json.dumps(value)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# What a checkpoint holds, and reading it back
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _reader(uri: str):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if storage.is_remote(uri):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(uri)
-    return FileSystemReader(storage.local_path(uri))
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def architecture(lm_config: PretrainedConfig) -> dict:
-    """The model's shape as a checkpoint records it (`ARCH_KEYS`): a resume onto another shape is refused."""
+def architecture(lm_config) -> dict:
+    """The model's shape as a checkpoint records it (`ARCH_KEYS`, read from a transformers config)."""
     return {k: getattr(lm_config, k, None) for k in ARCH_KEYS}
 
 
-def train_state(cfg: config_lib.RunConfig, step: int, world: int, arch: dict, identity: dict) -> dict:
-    """`train_state.json` of the checkpoint of `step`: where the data and the LR schedule stand, the world size,
-    the model's architecture, the run's identity (`run_identity`) and the config, for the resume."""
-    accum, mb = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
-    return {
-        "format": 2,
-        "step": step,
-        "world_size": world,
-        "data": {"micro_batch_index": step * accum, "micro_batch_size": mb, "grad_accum_steps": accum,
-                 "samples_seen": step * accum * mb * world},
-        "lr_schedule": {"kind": schedule.KIND, "step": step, **schedule.settings(cfg.train)},
-        "arch": arch,
-        "identity": identity,
-        "config": config_lib.to_dict(cfg),
-        "saved_at": time.time(),
-    }
-
-
-def trained_state_dicts(model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """DCP's model and optimizer state dicts of what trains: every parameter in a full fine-tune; with LoRA the
-    adapters alone (megabytes), the frozen base being what `model.path` and the seed give back on resume."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=trained_only(model))
-    return without_frozen(model, model_sd), optim_sd
-
-
-def trained_only(model: CausalLMWithLoss):
-    """DCP's state dict options that leave out frozen parameters (and accept their absence on load)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
-
-
-def without_frozen(model: CausalLMWithLoss, model_sd: dict) -> dict:
-    """`model_sd` without what is frozen: DCP's `ignore_frozen_params` keeps a tied weight under its second name
-    (the frozen embedding as `lm_head.weight`)."""
-    from .model import plain_name  # the driver imports this module, the model only a worker
-
-    if all(p.requires_grad for p in model.parameters()):
-        return model_sd
-    trained = {plain_name(name) for name, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in model_sd.items() if k in trained}
+def check_architecture(uri: str, state: dict, current: dict) -> None:
+    """Refuses (`ResumeRefused`) a checkpoint saved for another shape than `current` (`architecture`)."""
+    saved = state.get("arch", {})
+    differ = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in differ.items())
+        raise ResumeRefused(f"checkpoint {uri}: saved for another model architecture ({detail})")
 
 
 def prune(run_dir: str, keep_last: int, keep_before: int) -> None:
@@ -402,70 +276,3 @@ def prune(run_dir: str, keep_last: int, keep_before: int) -> None:
     doomed = [uri for step, uri, ok in entries if not ok and step < keep_before] + usable[:-keep_last]
     for uri in doomed:
         storage.remove(uri)
-
-
-def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer, cfg: config_lib.RunConfig,
-            identity: dict) -> dict:
-    """Loads a checkpoint (verified by `find_resume_point`) into the sharded model and optimizer (any world
-    size: DCP reshards) and this rank's RNG states; returns its train state. Refuses a checkpoint of another
-    architecture or, per `check_identity`, of another run. Any problem raises `CheckpointError` naming the
-    checkpoint (a failed read names each rank's cause)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = _read_state(uri)
-    saved, current = state.get("arch", {}), architecture(model.lm.config)
-    differ = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
-    if differ:
-        detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in differ.items())
-        raise ResumeRefused(f"checkpoint {uri}: saved for another model architecture ({detail})")
-    check_identity(uri, state, identity, cfg.checkpoint.allow_changes)
-    model_sd, optim_sd = trained_state_dicts(model, optimizer)
-    try:
-        dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=_reader(uri))
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException derives from BaseException
-        raise CheckpointError(f"checkpoint {uri}: cannot be read ({failure_causes(e)})") from e
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=trained_only(model))
-    rng = storage.join(uri, "rng", f"rank{dist.get_rank():05d}.pt")
-    if storage.exists(rng):  # a rank that did not exist before (more workers now) keeps its seeded state
-        try:
-            _set_rng_state(torch.load(io.BytesIO(storage.read_bytes(rng)), weights_only=False))
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {uri}: cannot read {rng}: {type(e).__name__}: {e}") from e
-    return state
-
-
-def failure_causes(error: BaseException) -> str:
-    """Each failed rank's own exception, one line each: DCP's `CheckpointException` prints only the ranks."""
-    def line(exc: BaseException) -> str:
-        text = " ".join(str(exc).split())
-        return f"{type(exc).__name__}: {text[:300]}"
-
-    failures = getattr(error, "failures", None)
-    if not failures:
-        return line(error)
-    return "; ".join(f"rank {rank}: {line(exc)}" for rank, (exc, _trace) in sorted(failures.items()))
-
-
-def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_blocks: int | None) -> tuple[int, bool]:
-    """This run's per-rank micro-batch index to resume at, and whether it continues the data order exactly.
-
-    Same world size and micro-batch size: the saved index (step x accum). Otherwise the global number of
-    samples consumed in the current epoch is divided among the new ranks (`micro_batches` shards each epoch's
-    permutation `rank::world`, so the first k micro-batches of every rank are the permutation's first
-    k x world x batch positions): exact when it divides evenly; each epoch's dropped remainder depends on the
-    world size, so a later epoch boundary may differ by a few blocks.
-    """
-    d, mb = state["data"], cfg.train.micro_batch_size
-    k, w0, mb0 = d["micro_batch_index"], state["world_size"], d["micro_batch_size"]
-    if w0 == world and mb0 == mb:
-        return k, True
-    if n_train_blocks is None:  # synthetic: per-rank random streams, no epochs
-        samples = k * w0 * mb0
-        return samples // (world * mb), samples % (world * mb) == 0
-    per_rank_old, per_rank_new = n_train_blocks // w0 // mb0, n_train_blocks // world // mb
-    epoch, offset = divmod(k, per_rank_old)
-    position = offset * w0 * mb0
-    start = min(position // (world * mb), per_rank_new)
-    return epoch * per_rank_new + start, position % (world * mb) == 0

@@ -9,8 +9,8 @@ import sys
 from typing import Any, Iterable, Mapping
 
 from .. import storage
-from .environment import UNKNOWN
-from .evidence import RUN_RECORD, flatten, later_attempts_line, load_record
+from ..records.environment import UNKNOWN
+from ..records.run_record import RUN_RECORD, flatten, later_attempts_line, load_record
 from .runs import RunsError, resolve_run
 
 # Groups whose differences make two runs' environments "not identical" (exit status 1).

@@ -13,11 +13,11 @@ import sys
 import time
 
 from .. import config as config_lib
-from .. import packages, storage
-from ..records import evidence, failures
+from .. import packages, signals, storage
+from ..common.checkpoints import CheckpointError
+from ..common.sources import DataError
+from ..records import failures, run_record
 from ..records import lease as lease_lib
-from ..worker import checkpoint as checkpoint_lib
-from ..worker import data as data_lib
 from . import launch, watch
 
 
@@ -61,11 +61,11 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
     except lease_lib.LeaseHeld as e:
         print(f"refused: {e}", file=sys.stderr)
         return 2
-    except checkpoint_lib.CheckpointError as e:
+    except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         _record_refusal(cfg, recordable, e)
         return 1
-    except data_lib.DataError as e:
+    except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
         _record_refusal(cfg, recordable, e)
         return 2
@@ -73,9 +73,9 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
         # SIGINT/SIGTERM stop the run (`cancelled`); a record left running closed on an exception.
         with watch.driver_watch(run_dir):
             error = launch.run_with_ray(cfg, loop_config)
-    except failures.Cancelled as e:
+    except signals.Cancelled as e:
         _verdict(run_dir, "cancelled", str(e), loop_config)
-        return failures.exit_status(e)
+        return signals.exit_status(e)
     finally:
         launch.finish_tracking(loop_config)
     if error:
@@ -91,7 +91,7 @@ def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
     cluster gone the connection is left as it is: Ray ends the process once it cannot reach its cluster, and
     disconnecting only waits for that."""
     try:
-        record = evidence.load_latest(run_dir)
+        record = run_record.load_latest(run_dir)
     except (OSError, ValueError):
         record = {}
     if (record.get("error") or {}).get("reason") != "cluster_lost":  # a lost cluster: Ray's own exit is fatal
@@ -111,13 +111,13 @@ def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> No
     """A run refused once the driver holds its lease (a bad data row, a refused resume, a worker group the
     cluster cannot place) gets a `failed` record of this attempt, written by the driver (rank 0 of torchrun's
     processes): beside the run's record when that holds finished work, listed in its `later_attempts`
-    (`evidence.start_record`), so the run stays what it was. Refused before that (the config, the packages, the
+    (`run_record.start_record`), so the run stays what it was. Refused before that (the config, the packages, the
     storage itself, the model's settings, the lease), there is nowhere to write one: the exit status and the
     message are the whole record."""
     if run_dir is None or os.environ.get("RANK", "0") != "0":
         return
     try:
         # No worker started, so no record is this attempt's: any there is an earlier one's, whenever it opened.
-        evidence.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, time.time()))
+        run_record.close_if_running(run_dir, "failed", error, attempt=launch.attempt(cfg, time.time()))
     except Exception as e:  # the refusal's message is already out; a record that cannot be written must not hide it
         print(f"cannot record the failure in {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -1,0 +1,177 @@
+"""The causal LM: tokenizer, weights (pretrained or seeded random init) and the wrapper that computes its loss.
+
+`CausalLMWithLoss` is the module FSDP2 shards as its root (`parallelize.py`). Computing the loss inside the root's
+forward lets the (tied) output embedding stay sharded outside forward/backward and lets the loss use a chunked
+linear cross-entropy that never materialises the full fp32 logits (151,936 wide for Qwen2.5). With one worker it is
+not sharded, and computes on bf16 copies of its weights itself (`computing_on_copies`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ... import storage
+from ...common.presets import hf_config
+from ...config import ModelConfig
+from ..data import IGNORE_INDEX
+from .loss import chunked_cross_entropy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase | None:
+    """The configured tokenizer, or None when there is none to load (synthetic data, trained tokenizers)."""
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.path
+    if source is None:
+        return None
+    return AutoTokenizer.from_pretrained(source, revision=cfg.revision, token=os.environ.get("HF_TOKEN"))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def weights_fingerprint(cfg: ModelConfig) -> dict:
+    """What the model's weights were: for pretrained weights in a local directory, the sha256 of every weight
+    file and of `config.json` (and the directory's `PROVENANCE.json`, as written by scripts/prepare_model.py);
+    for a hub id, the id and revision; for a random init, the architecture source (the seed is in the record)."""
+    if cfg.init == "random":
+        return {"init": "random", "preset": cfg.preset, "path": cfg.path, "overrides": cfg.overrides}
+    out: dict = {"init": "pretrained", "path": cfg.path}
+    if not os.path.isdir(cfg.path):
+        return {**out, "revision": cfg.revision, "source": "hub"}
+
+    names = sorted(n for n in os.listdir(cfg.path) if n.endswith(WEIGHT_SUFFIXES) or n == "config.json")
+    out["files"] = {n: storage.digest(os.path.join(cfg.path, n))["sha256"] for n in names}
+    provenance = os.path.join(cfg.path, "PROVENANCE.json")
+    if os.path.exists(provenance):
+        with open(provenance) as f:
+            out["provenance"] = json.load(f)
+    return out
+
+
+def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> PreTrainedModel:
+    """The causal LM in fp32 on the current default device: loaded, or seeded random init (same on all ranks).
+
+    `vocab_size` (from a trained tokenizer) resizes a preset's vocabulary.
+    """
+    from transformers import AutoModelForCausalLM
+
+    common = dict(attn_implementation=cfg.attn_implementation, dtype=torch.float32)
+    if cfg.init == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"), **cfg.overrides, **common
+        )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), **common)
+
+
+class CausalLMWithLoss(nn.Module):
+    """A causal LM whose forward returns (sum of token losses, number of target tokens).
+
+    Returning the sum lets the caller normalise by the token count of the whole global batch, so every token
+    weighs the same however tokens fall across micro-batches and ranks.
+    """
+
+    def __init__(self, lm: nn.Module, loss_chunk_size: int = 0, sdpa_backend: str | None = None):
+        super().__init__()
+        self.lm = lm
+        self.loss_chunk_size = loss_chunk_size
+        self.sdpa_backend = SDPA_BACKENDS[sdpa_backend] if sdpa_backend else None
+        self.compute_dtype: torch.dtype | None = None
+        """Set by `parallelize` when it leaves the model unsharded and computes in bf16: each forward then runs on
+        copies of the fp32 weights in this dtype (`computing_on_copies`)."""
+
+    def forward(self, *args, **kwargs):
+        if self.sdpa_backend is None:
+            return self._forward(*args, **kwargs)
+        with sdpa_kernel(self.sdpa_backend):
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, input_ids, labels, position_ids=None):
+        """`(loss_sum, n_targets)` of the next-token targets `labels`."""
+        # No KV cache: with one, transformers skips the packed-sequence mask derived from position_ids and
+        # attention would cross document boundaries.
+        with computing_on_copies(self.lm, self.compute_dtype) if self.compute_dtype else nullcontext():
+            hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            head_weight = self.lm.get_output_embeddings().weight
+        hidden, labels = hidden.flatten(0, 1), labels.flatten()
+        if self.loss_chunk_size:
+            return chunked_cross_entropy(hidden, head_weight, labels, self.loss_chunk_size)
+        logits = F.linear(hidden, head_weight).float()
+        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective: FSDP2's parameters, and the gradient norm of sharded gradients); any other
+    tensor as is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class CastCopies(torch.autograd.Function):
+    """Copies of the parameters in another dtype, and in backward their gradients cast back: one foreach copy
+    each way (per-parameter casts cost ~16 ms of host time per forward for Qwen2.5-1.5B's 338 parameters,
+    while the device waited)."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.dtypes = [p.dtype for p in params]
+        copies = [torch.empty_like(p, dtype=dtype) for p in params]
+        torch._foreach_copy_(copies, list(params))
+        return tuple(copies)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        out = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in present]
+        torch._foreach_copy_(out, [grads[i] for i in present])
+        full: list[torch.Tensor | None] = [None] * len(grads)
+        for i, g in zip(present, out):
+            full[i] = g
+        return None, *full
+
+
+@contextmanager
+def computing_on_copies(lm: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Within it, each parameter of `lm` is its copy in `dtype` (`CastCopies`), the fp32 parameter again after:
+    what FSDP2's mixed precision gathers, without FSDP2. One copy per parameter, so a tied embedding and head
+    share theirs and their gradients add up in `dtype` before reaching the fp32 weight, as under FSDP2. The
+    copies are put straight into the modules' parameter slots, as `torch.func.functional_call` does, whose
+    per-name lookups cost ~7 ms of host time per forward here. Autograd keeps a copy while a saved
+    activation needs it. Frozen parameters already in `dtype` (LoRA's base) are used as they are."""
+    slots = [(module, name, param) for module in lm.modules() for name, param in module._parameters.items()
+             if param is not None and (param.requires_grad or param.dtype != dtype)]
+    params = list(dict.fromkeys(param for _, _, param in slots))
+    copies = dict(zip(params, CastCopies.apply(dtype, *params)))
+    for module, name, param in slots:
+        module._parameters[name] = copies[param]
+    try:
+        yield
+    finally:
+        for module, name, param in slots:
+            module._parameters[name] = param
+
+
+def plain_name(name: str) -> str:
+    """A parameter's or buffer's name without the wrappers `parallelize` may add (torch.compile, activation
+    checkpointing): its name in the unsharded model and in state dicts (DCP's fully qualified name)."""
+    return name.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")

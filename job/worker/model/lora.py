@@ -1,0 +1,66 @@
+"""LoRA: low-rank adapters beside the frozen linear layers (`add_adapters`), trained alone, under PEFT's names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import ConfigError, LoraConfig
+from .causal_lm import full, plain_name
+
+class LoraLinear(nn.Linear):
+    """A frozen linear layer plus a trainable low-rank update: `W·x + b + (alpha / r)·B·A·dropout(x)`, as PEFT's
+    LoRA layer computes it. The layer keeps its own parameters' names (`weight`, `bias`), so the frozen base
+    reads, gathers and exports as before, and the adapters are `lora_A.weight` (r x in, Kaiming-uniform) and
+    `lora_B.weight` (out x r, zeros: training starts from the base model exactly): PEFT's key names under
+    `base_model.model.` (`adapter_state_dict`)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        with torch.device("meta"):  # the base's parameters are taken over below, not allocated
+            super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
+        self.weight, self.bias = base.weight, base.bias
+        self.requires_grad_(False)
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device)  # Kaiming-uniform, as PEFT's
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device)
+        nn.init.zeros_(self.lora_B.weight)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def merged_weight(self) -> torch.Tensor:
+        """`W + (alpha / r)·B·A` in fp32, gathered when sharded."""
+        weight, a, b = (full(p).float() for p in (self.weight, self.lora_A.weight, self.lora_B.weight))
+        return weight + self.scaling * (b @ a)
+
+
+def add_adapters(lm: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Freezes every parameter of `lm` and puts a `LoraLinear` in place of each linear layer whose name ends in
+    one of `cfg.targets`; returns their module names. Raises a `ConfigError` naming `model.lora.targets` for a
+    target that matches no linear layer. Seeded like the model: every rank draws the same adapters."""
+    linear = {name: module for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
+    chosen = [name for name in linear if name.rsplit(".", 1)[-1] in cfg.targets]
+    unmatched = [t for t in cfg.targets if not any(name.rsplit(".", 1)[-1] == t for name in chosen)]
+    if unmatched:
+        known = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        raise ConfigError(f"model.lora.targets: {', '.join(unmatched)} match(es) no linear layer of "
+                         f"{type(lm).__name__} (its linear layers: {', '.join(known)})")
+    lm.requires_grad_(False)
+    for name in chosen:
+        parent, _, child = name.rpartition(".")
+        lm.get_submodule(parent).register_module(child, LoraLinear(linear[name], cfg.rank, cfg.alpha, cfg.dropout))
+    return chosen
+
+
+def adapter_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' weights under PEFT's key names (`base_model.model.<module>.lora_A.weight`, ...), gathered
+    when sharded (collective then), on the CPU."""
+    return {f"base_model.model.{plain_name(name)}": full(param).detach().cpu()
+            for name, param in lm.named_parameters() if is_adapter(name)}
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
