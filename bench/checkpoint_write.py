@@ -3,7 +3,7 @@
 
 The training thread launches many small CUDA kernels (a launch-bound forward and backward through 28 small
 layers, like a compiled FSDP2 step's host side); a background thread writes pinned host buffers of `--gib` GiB
-(staged optimizer state) with DCP as `job.worker.checkpoint` does, and variants. Printed per variant: the write's
+(staged optimizer state) with DCP as `job.worker.checkpoint.writer` does, and variants. Printed per variant: the write's
 seconds and the training thread's speed during the write, relative to alone.
 
     python bench/checkpoint_write.py [--gib 6] [--dir /tmp/ckbench]
@@ -65,7 +65,7 @@ def main() -> int:
                 f.write(v.numpy().data)
 
     variants = {
-        "dcp, 4 threads, crc (as job.worker.checkpoint)": (lambda p: dcp.save(state, storage_writer=FileSystemWriter(p, thread_count=4), process_group=group), True),
+        "dcp, 4 threads, crc (as job.worker.checkpoint.writer)": (lambda p: dcp.save(state, storage_writer=FileSystemWriter(p, thread_count=4), process_group=group), True),
         "dcp, 1 thread, crc": (lambda p: dcp.save(state, storage_writer=FileSystemWriter(p, thread_count=1), process_group=group), True),
         "dcp, 4 threads, no crc": (lambda p: dcp.save(state, storage_writer=FileSystemWriter(p, thread_count=4), process_group=group), False),
         "dcp, 1 thread, no crc": (lambda p: dcp.save(state, storage_writer=FileSystemWriter(p, thread_count=1), process_group=group), False),

@@ -6,7 +6,7 @@ A state dict of `--gib` GiB of random values in host memory, shaped like Qwen2.5
 AdamW moments (one 233M-element embedding, the rest per layer), is saved with `FileSystemWriter` once per
 variant `[process:]THREADSxSYNC` (writer threads; whether each file is fsynced; `process:` as a run's writer
 process does it, from staged shared memory through DCP's writer process, which the first such row starts),
-then checksummed as `job.worker.checkpoint` does (`storage.digest_all`). One row per variant: seconds writing, GB/s,
+then checksummed as `job.worker.checkpoint.writer` does (`storage.digest_all`). One row per variant: seconds writing, GB/s,
 seconds checksumming.
 
     python bench/dcp_write.py [--gib 8] [--dir /tmp/dcpbench] [--variants 4xsync,8xsync,process:8xsync]

@@ -5,7 +5,7 @@ The state is the 1.5B's as a save stages it (Qwen2.5-1.5B's fp32 parameters and 
 tensors, 18.5 GB), on the GPU. Each row runs in a fresh process (CUDA's host allocations never carry over):
 
 - `fault`: buffers created in shared memory and their pages faulted in (`_new_shared` + `zero_`, as
-  `job.worker.staging.HostStager` does), with 1 and with 8 torch threads;
+  `job.worker.checkpoint.staging.HostStager` does), with 1 and with 8 torch threads;
 - `populate`: the same pages faulted in by `madvise(MADV_POPULATE_WRITE)` (what `HostStager.reserve` does);
 - `fallocate`: the shared memory's pages allocated by `posix_fallocate` on its file (in the page cache, mapped by
   nobody yet);

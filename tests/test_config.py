@@ -224,3 +224,20 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_every_example_config_loads_and_validates(example):
     assert config_lib.load(str(EXAMPLES / example)).name
+
+
+def test_a_rules_number_is_written_as_the_chart_writes_it():
+    """A float in a rule's message reads as Go's `%v` prints it, so the chart's message is the job's."""
+    from job.rules import go_float
+
+    shown = [go_float(x) for x in (1.0, 0.5, 2e-05, 1e6, 123456.0, 1234567.0, -0.25, 0.0001, 1e-05, 0.0)]
+    assert shown == ["1", "0.5", "2e-05", "1e+06", "123456", "1.234567e+06", "-0.25", "0.0001", "1e-05", "0"]
+
+
+def test_a_rule_outside_the_rules_language_is_refused():
+    from job import rules
+
+    cfg = config_lib.load_dict(VALID)
+    assert rules.Rule("train.seed", "train.seed in (0, 1) and not starts(name, 'x')", "x").broken(cfg)
+    with pytest.raises(ValueError, match="not part of the rules' language"):
+        rules.Rule("train.betas", "len(train.betas) > 2", "x").broken(cfg)

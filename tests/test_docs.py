@@ -43,3 +43,18 @@ def test_every_relative_markdown_link_resolves():
     broken = [f"{doc.relative_to(REPO)}: {target}" for doc in DOCS for target in LINK.findall(doc.read_text())
               if "://" not in target and not target.startswith("mailto:") and not (doc.parent / target).exists()]
     assert not broken, f"links to missing files: {broken}"
+
+
+CODE_PATH = re.compile(r"(?<![\w/.-])((?:job|scripts|templates|bench|tests|examples|values)/[\w./-]*\w)")
+"""A repository path the docs cite: `job/records/run_record.py`, `scripts/gen-values-schema.py`, `examples/`."""
+JOB_PATH = re.compile(r"(?<![\w/.-])((?:worker|records|driver|common|commands)/[\w/]*\w\.py)")
+"""A module cited by its path in the package: `worker/metrics.py`."""
+
+
+def test_every_cited_repository_path_exists():
+    """A moved or renamed module leaves no doc pointing at where it was."""
+    missing = sorted({f"{doc.relative_to(REPO)}: {path}" for doc in DOCS for path in CODE_PATH.findall(doc.read_text())
+                      if not path.startswith("bench/runs/") and not (REPO / path).exists()}
+                     | {f"{doc.relative_to(REPO)}: {path}" for doc in DOCS for path in JOB_PATH.findall(doc.read_text())
+                        if not (REPO / "job" / path).exists()})
+    assert not missing, f"cited but not in the repository: {missing}"

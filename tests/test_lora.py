@@ -103,7 +103,7 @@ PEFT_CHECK = textwrap.dedent("""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from job import config as config_lib
-    from job.worker.model import CausalLMWithLoss, build_causal_lm
+    from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm
 
     export = sys.argv[1]
     ref = json.load(open(os.path.join(export, "reference.json")))
