@@ -1,13 +1,8 @@
-"""What a worker runs on: the inventory of one worker process and the image its pod really runs.
-
-* `worker_environment`: host, accelerators, driver/CUDA/NCCL and package versions of this process
-  (`installed_packages`, `job_version`), what the Ray runtime env added at start (`runtime_env_additions`),
-  and the pod's image (`pod_image`).
-* `pod_image`: the image digest Kubernetes actually pulled, read from the pod's own Pod object.
+"""What a worker runs on: the inventory of one worker process (`worker_environment`) and the image digest
+Kubernetes really pulled for its pod (`pod_image`). The preflight gathers every worker's; `run_record` keeps them.
 
 Nothing here needs a GPU, Kubernetes or network access: a value that cannot be known is `"unknown"` plus a
-`reason` instead of an exception. The preflight (`preflight.run_preflight`) gathers every worker's
-inventory; `evidence` writes it into the run record.
+`reason`, not an exception.
 """
 
 from __future__ import annotations
@@ -71,20 +66,18 @@ def _ray_runtime_env() -> dict:
 
 
 def _requirements(spec) -> list[str]:
-    """The requirement strings of a runtime env `pip`/`uv` entry (a list, or `{"packages": [...]}`;
-    a requirements-file path stays as given)."""
+    """The requirements of a runtime env `pip`/`uv` entry (a list or `{"packages": [...]}`; a file path as given)."""
     if isinstance(spec, Mapping):
         spec = spec.get("packages") or []
     return [spec] if isinstance(spec, str) else [str(r) for r in spec]
 
 
 def runtime_env_additions(runtime_env: Mapping | None = None, *, site_packages: str | None = None) -> dict:
-    """What the job's Ray runtime env asked of this worker, and what it installed when the worker started.
+    """What the job's Ray runtime env asked of this worker, and what it installed at the worker's start.
 
-    Ray installs a runtime env's `pip`/`uv` requirements at worker start into a virtualenv over the image's
-    packages: a requirement the image already satisfies is not installed again, one that is lives in that
-    virtualenv's site-packages, the site-packages of the worker's interpreter. `runtime_env`: default
-    `_ray_runtime_env`; `site_packages`: default this interpreter's (tests pass both). Returns:
+    Ray installs `pip`/`uv` requirements the image does not satisfy into a virtualenv over the image's packages,
+    whose site-packages is the worker interpreter's: one found there was installed at start. `runtime_env` and
+    `site_packages` default to this worker's (tests pass both). Returns:
 
         {"requested": {runtime env keys, Ray's internal `_`-keys left out},
          "requirements": ["s3fs==2026.4.0", ...],
@@ -123,11 +116,10 @@ JOB_FILE_SUFFIXES = (".py", ".json")
 
 
 def job_sha256(package_dir: str = PACKAGE_DIR) -> str:
-    """sha256 of the job package's files as this process imports them: over one `<file's sha256>  <path>` line
-    per file, sorted by its path from the package's parent (`job/worker/train.py`), which is what
-    `find job -type f \\( -name '*.py' -o -name '*.json' \\) | LC_ALL=C sort | xargs sha256sum | sha256sum` prints
-    in a checkout. Symbolic links are followed and names starting with "." skipped: a ConfigMap mount is links into
-    the kubelet's own `..data` and timestamped directories."""
+    """sha256 of the job package's files as imported: over one `<sha256>  <path>` line per file, sorted by its path
+    from the package's parent, as `find job -type f \\( -name '*.py' -o -name '*.json' \\) | LC_ALL=C sort | xargs
+    sha256sum | sha256sum` prints in a checkout. Links are followed and dot-names skipped: a ConfigMap mount is
+    links into the kubelet's `..data` and timestamped directories."""
     root = os.path.dirname(package_dir)
     lines = []
     for here, dirs, files in os.walk(package_dir, followlinks=True):
@@ -179,11 +171,9 @@ def _cpu_model() -> str:
 
 
 def worker_environment(device: torch.device | None = None, *, pod: bool = True) -> dict:
-    """Describe this worker process: host, accelerators, driver and software versions.
-
-    `device` is the `torch.device` the worker trains on (`None`: CUDA if available).
-    `pod=True` also reads the image digest of this pod (`pod_image`; returns at once
-    with `unknown` outside Kubernetes). Returns:
+    """This worker process's host, accelerators, driver and software versions. `device`: the one it trains on
+    (None: CUDA if available); `pod=True` also reads the pod's image (`pod_image`, at once `unknown` outside
+    Kubernetes). Returns:
 
         {"hostname", "pid", "platform", "python",
          "accelerator": {"type": "cuda"|"cpu", "count", "names", "memory_gib"},
@@ -251,18 +241,13 @@ _RE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 def pod_image(*, api_url: str | None = None, token_path: str | None = None, ca_path: str | None = None,
               namespace: str | None = None, pod_name: str | None = None, container: str | None = None,
               env: Mapping[str, str] | None = None, timeout: float = 5.0) -> dict:
-    """Read this pod's Pod object and return the image it really runs.
+    """The image this pod really runs, from its Pod object (`GET /api/v1/namespaces/{ns}/pods/{name}` with the
+    service-account token, which needs `get` on pods: the chart's RBAC).
 
-    `GET {api}/api/v1/namespaces/{ns}/pods/{name}` with the in-cluster service-account
-    token. Defaults: `api_url` from `KUBERNETES_SERVICE_HOST`/`KUBERNETES_SERVICE_PORT`,
-    token and CA cert from `/var/run/secrets/kubernetes.io/serviceaccount/`, namespace and
-    pod name from `POD_NAMESPACE`/`POD_NAME` (set by the chart through the downward API;
-    fallbacks: the service-account namespace file and `HOSTNAME`). `container`: the
-    container to report (default: the first whose name contains `ray`, else the first).
-    The service account needs `get` on `pods` (the chart's RBAC).
-
-    Returns `{"image", "image_id", "digest": "sha256:...", "container", "pod", "namespace",
-    "node"}`; on any problem `{"digest": "unknown", "reason": "..."}` -- it never raises.
+    Defaults: `api_url` from `KUBERNETES_SERVICE_HOST`/`_PORT`; token and CA from `SERVICE_ACCOUNT_DIR`; namespace
+    and pod from `POD_NAMESPACE`/`POD_NAME` (the chart's downward API; else the namespace file and `HOSTNAME`);
+    `container`: the first whose name contains `ray`, else the first. Returns `{"image", "image_id", "digest":
+    "sha256:...", "container", "pod", "namespace", "node"}`, or `{"digest": "unknown", "reason"}`: never raises.
     """
     env = os.environ if env is None else env
     if api_url is None:

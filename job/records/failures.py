@@ -1,15 +1,9 @@
-"""How a run ended, in one place: what its record's `error` says (`describe`), and the driver's last words on it
-(`verdict`).
+"""How a run ended, in one place: its record's `error` (`describe`) and the driver's last words on it (`verdict`).
 
-`describe(exc, step=, rank=)` is the structured `error` of `run.json`: `{"class", "reason", "message",
-"exception", "step", "rank"}`. The class comes from the exception chain alone (types are matched by name, so
-Ray's need not be imported): a lost worker process is `infrastructure`/`worker_lost`, a lost Ray Train controller
-(its node or the cluster gone) `infrastructure`/`cluster_lost`, a `DataError` is `data`, a `ConfigError` `config`
-(a refused resume, `ResumeRefused`, `config`/`resume_refused`), a non-finite loss or a loss spike `model`, a hang,
-out of memory and a full disk `infrastructure`, a KeyboardInterrupt `cancelled`, a `Preempted` attempt
-`infrastructure`/`preempted`; by message, a peer lost under gloo `infrastructure`/`worker_lost` and an NCCL error
-or timeout `infrastructure`/`nccl`; anything else `unknown`/`exception`. Used by the worker's `except` branch
-(`train.train_loop`, through `record.finish_record`) and by the driver (`launch.run_with_ray`, `watch.driver_watch`).
+`describe` gives run.json's structured `error`, `{"class", "reason", "message", "exception", "step", "rank"}`,
+classed from the exception chain alone: by type name (`_BY_TYPE`; by name, so Ray's need not be imported), then a
+full disk or failing storage by errno, then a lost gloo peer or an NCCL error by message (`_BY_MESSAGE`); anything
+else is `unknown`/`exception`. Used by the worker's `except` (through `run_record.finish_record`) and the driver.
 """
 
 from __future__ import annotations
@@ -58,10 +52,9 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 # writes, a dropped connection; s3fs raises S3's errors as OSErrors too): `infrastructure`/`storage`.
 _STORAGE_ERRNOS = {errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
                    errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN, errno.EHOSTUNREACH}
-# (message pattern, reason) for errors torch.distributed raises as plain RuntimeErrors, all `infrastructure`: a
-# peer whose process died, seen by a surviving rank under gloo (gloo's tcp/pair.cc: EOF, a reset connection, or a
-# pair already closed by one of those); NCCL errors, aborted communicators and the watchdog's collective timeouts
-# (`WorkNCCL(...) ran for ... milliseconds before timing out`).
+# (message pattern, reason), `infrastructure`, for torch.distributed's plain RuntimeErrors: a dead peer seen by a
+# surviving rank under gloo (tcp/pair.cc: EOF, a reset, a pair closed by those); NCCL errors, aborted
+# communicators and the watchdog's collective timeouts.
 _BY_MESSAGE = (
     (re.compile(r"Connection closed by peer|Read error \S+: Connection reset by peer|Socket (unexpectedly )?closed \["),
      "worker_lost"),
@@ -125,8 +118,8 @@ def error(cls: str, reason: str, message: str, *, exception: str | None = None, 
 
 
 def one_line(err: dict | str | None) -> str | None:
-    """A record's `error` in one line, `class/reason at step S, rank R: message` (a record of an older version
-    has a plain string)."""
+    """A record's `error` in one line, `class/reason at step S, rank R: message` (an older record's plain string
+    as it is)."""
     if not err or isinstance(err, str):
         return err or None
     where = ", ".join(f"{k} {err[k]}" for k in ("step", "rank") if err.get(k) is not None)
@@ -145,8 +138,8 @@ def attempt_logs(run_dir: str, started_at: float) -> str:
 
 
 def save_traceback(run_dir: str, started_at: float, rank: int, exc: BaseException) -> None:
-    """Appends `exc`'s traceback to this rank's log of the attempt (`attempt_logs`), where the driver's verdict
-    names it; a log that cannot be written is said on stderr, never raised over `exc`."""
+    """Append `exc`'s traceback to this rank's log of the attempt (`attempt_logs`), which the verdict names; a
+    failed write is said on stderr, never raised over `exc`."""
     import traceback
 
     path = storage.join(attempt_logs(run_dir, started_at), f"rank{rank}.log")

@@ -1,32 +1,26 @@
 """One run, one writer: the run lease, `<run_dir>/lease.json`.
 
-The driver (`python -m job`; under torchrun, rank 0) takes the lease right after checking that the run directory
-is writable and before it writes anything else there (config.yaml, the record, checkpoints), and holds it until it
-exits (`watch.hold`). A second driver of the same run directory -- a RayJob retry while the old driver still runs, a
-second release on the same claim, a local run beside the cluster's -- is refused (`LeaseHeld`) with one line
-naming the holder and how to take over from a dead one.
+The driver (`python -m job`; under torchrun, rank 0) takes it after checking that the run directory is writable and
+before writing anything else there, and holds it until it exits (`watch.hold`). A second driver of the run (a RayJob
+retry beside the old driver, a second release on the same claim, a local run beside the cluster's) is refused
+(`LeaseHeld`) in one line naming the holder and how to take over from a dead one.
 
-* Taken with a create-exclusive write (`storage.create_exclusive`): a hard link on a local path, PVC or NFS; an
-  `If-None-Match: *` PUT on S3. Of two drivers starting at once exactly one creates the file.
-* Renewed by the driver's heartbeat (`<run_dir>/heartbeat.json`, rewritten every `HEARTBEAT_EVERY_S` by
-  `watch.Heartbeat`, and once more with `"final": true` when the driver lets go), which names the lease it renews. The lease itself is written once and never rewritten.
-* Stale when its heartbeat is older than the lease's `timeout_s` (`HEARTBEAT_TIMEOUT_S`), final (the
-  driver's watch ended without a release), or its process is gone from this host; a lease with no heartbeat yet
-  counts from its own `started_at`.
+* Taken with `storage.create_exclusive` (a hard link on a local path, PVC or NFS; an `If-None-Match: *` PUT on S3):
+  of two drivers starting at once exactly one creates it. Written once, never rewritten.
+* Renewed by the driver's heartbeat (`heartbeat.json`, rewritten every `HEARTBEAT_EVERY_S` by `watch.Heartbeat`,
+  once more `"final"` when the driver lets go), which names the lease.
+* Stale when its heartbeat is older than its `timeout_s`, final, or from a process gone from this host; without a
+  heartbeat yet it counts from its `started_at`.
 * Watched when it looks live but its holder is on another host: a driver killed with its pod looks live for up to
-  `timeout_s`, and a RayJob's retry starts its driver on a new head within seconds of the old head's loss. The new
-  driver watches the holder's heartbeat (`await_staleness`): a beat (the holder is alive) refuses it within about
-  one heartbeat interval; silence until the lease is stale lets it take over, at most `timeout_s` after the
-  holder's last beat. A holder on this host is asked directly (its process), never waited for.
-* A stale lease is taken over: the taker first creates
-  `.lease-takeover-<id>` exclusively (of two takers one wins), then replaces the lease with its own, which names
-  the one it replaced (`took_over`); `run_record.start_record` copies the lease into the run record.
-* Released (deleted) when the driver ends, after its last heartbeat; a driver killed outright leaves it, and the
-  next start takes it over once it is stale.
+  `timeout_s`, and a RayJob retry starts a new head within seconds. The new driver watches the heartbeat
+  (`await_staleness`): a beat refuses it within about one interval; silence takes over, at most `timeout_s` after
+  the last beat. A holder on this host is asked directly (its process), never waited for.
+* Taken over when stale: the taker creates `.lease-takeover-<id>` exclusively (one of two takers wins), then
+  replaces the lease with its own, naming the old one (`took_over`); `start_record` copies it into the record.
+* Released (deleted) when the driver ends, after its last beat; one killed outright leaves it, taken over once stale.
 
-The heartbeat also tells whether a `running` record is still live (`liveness`): a record whose heartbeat is stale
-(or whose driver process is gone from this host) is marked `abandoned` by the next start of the run
-(`watch.hold` -> `run_record.abandon_stale`).
+The heartbeat also tells whether a `running` record is live (`liveness`): a stale one is marked `abandoned` at the
+run's next start (`run_record.abandon_stale`).
 """
 
 from __future__ import annotations
@@ -66,8 +60,7 @@ def _path(run_dir: str) -> str:
 
 def write_heartbeat(run_dir: str, timeout_s: float = HEARTBEAT_TIMEOUT_S, final: bool = False,
                     lease: str | None = None) -> None:
-    """`final`: the driver's last beat, as its watch ends (the run over, however it ended); `lease`: the id of
-    the run lease it renews (`job/records/lease.py`)."""
+    """`final`: the driver's last beat, as its watch ends; `lease`: the id of the lease it renews."""
     beat = {"at": _now().isoformat(timespec="seconds"), "pid": os.getpid(), "host": socket.gethostname(),
             "timeout_s": timeout_s, "final": final, "lease": lease}
     storage.write_atomic(storage.join(run_dir, HEARTBEAT_FILE), json.dumps(beat) + "\n")
@@ -81,10 +74,9 @@ def read_heartbeat(run_dir: str) -> dict | None:
 
 
 def liveness(run_dir: str, record: dict, now: _dt.datetime | None = None) -> str:
-    """For a record: `closed` (not `running`), `live` (its driver's heartbeat is fresh), `stale` (the heartbeat is
-    older than its timeout, final (its driver's watch ended without closing the record), or its driver's process
-    is gone from this host) or `unknown` (no heartbeat: a torchrun run, or one of a version without heartbeats;
-    never taken for dead)."""
+    """For a record: `closed` (not `running`), `live` (fresh heartbeat), `stale` (heartbeat past its timeout or
+    final, or its driver's process gone from this host) or `unknown` (no heartbeat, e.g. torchrun: never taken
+    for dead)."""
     if record.get("status") != "running":
         return "closed"
     beat = read_heartbeat(run_dir)
@@ -160,9 +152,9 @@ def _last_beat(run_dir: str, lease: dict) -> str | None:
 
 
 def await_staleness(run_dir: str, lease: dict) -> str | None:
-    """Watches a live-looking `lease` held from another host until its holder beats again or the lease changes
-    hands (None: look again, or refuse), or until it is stale (why). Bounded by the lease's timeout and one more
-    heartbeat interval, so a holder whose clock runs ahead of ours cannot keep this driver waiting."""
+    """Watch a live-looking `lease` of another host until its holder beats or the lease changes hands (None: look
+    again, or refuse), or it goes stale (why). Bounded by its timeout plus one interval, so a holder whose clock
+    runs ahead cannot keep this driver waiting."""
     timeout = _timeout(lease)
     seen = _last_beat(run_dir, lease)
     print(f"run {run_dir}: its lease is held by {describe(lease)}, last heartbeat {seen or 'none yet'}: waiting up "

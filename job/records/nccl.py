@@ -1,14 +1,9 @@
 """NCCL transport evidence: which network and intra-node paths NCCL really used.
 
-NCCL chooses its transports at run time (EFA through the aws-ofi-nccl plugin, InfiniBand or RoCE,
-plain sockets; NVLink, NVLS, P2P or shared memory within a node) and says so only in its debug log.
-This module asks NCCL to write that log (`enable_nccl_debug`), reads it back (`read_nccl_logs`)
-and turns it into a small dict (`parse_nccl_transport`); `gloo_transport` is the same dict for
-CPU runs, `worker_transport` picks the right one for this worker process, and
-`describe_transport` prints one line for humans. `preflight.run_preflight` gathers every
-worker's dict; `evidence` writes them into the run record.
-
-Nothing here needs a GPU or network access: a missing log gives `net=None` plus a `reason`.
+NCCL chooses its transports at run time (EFA through aws-ofi-nccl, InfiniBand or RoCE, sockets; NVLink, NVLS, P2P
+or shared memory within a node) and says so only in its debug log, which this module has NCCL write and turns into
+a small dict. `preflight.run_preflight` gathers every worker's; `run_record` keeps them. Nothing here needs a GPU
+or network access: a missing log gives `net=None` plus a `reason`.
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ import os
 import re
 from typing import Mapping
 
-# Subsystems we ask NCCL to log. INIT and NET give the version, the network plugin, its
-# devices and the per-channel "via ..." lines; GRAPH adds the topology search result
+# INIT and NET: version, network plugin, devices, per-channel "via ..." lines; GRAPH: the topology search
 # ("type NVL/PIX"), the only line that says NVLink in plain words; ENV echoes NCCL_* settings.
 NCCL_DEBUG_SUBSYS = "INIT,NET,GRAPH,ENV"
 
@@ -30,14 +24,9 @@ INTRA_NODE_ORDER = ("nvls", "nvlink", "p2p", "shm", "net", "socket")
 
 
 def nccl_debug_env(log_dir: str) -> dict[str, str]:
-    """Environment variables that make NCCL write its INFO log to one file per process.
-
-    `NCCL_DEBUG_FILE` uses NCCL's own placeholders: `%h` = hostname, `%p` = pid, so
-    every worker process writes `<log_dir>/nccl.<host>.<pid>.log`. `log_dir` must be a
-    local directory (NCCL opens the file itself). The values only take effect if they are in
-    `os.environ` before NCCL creates its first communicator in this process -- see
-    `enable_nccl_debug`.
-    """
+    """Environment variables that make NCCL write its INFO log to `<log_dir>/nccl.<host>.<pid>.log` (NCCL's `%h`,
+    `%p`), one file per process. `log_dir` must be local (NCCL opens the file); see `enable_nccl_debug` for when
+    they take effect."""
     return {
         "NCCL_DEBUG": "INFO",
         "NCCL_DEBUG_SUBSYS": NCCL_DEBUG_SUBSYS,
@@ -48,11 +37,9 @@ def nccl_debug_env(log_dir: str) -> dict[str, str]:
 def enable_nccl_debug(log_dir: str) -> dict[str, str]:
     """Create `log_dir` and put `nccl_debug_env` into `os.environ`; return it.
 
-    Call on every worker before its first collective. PyTorch creates NCCL communicators
-    lazily (at the first collective on a group), unless `init_process_group` was given
-    `device_id=` (eager init) -- in that case call this before `init_process_group`, or
-    set the same variables through the Ray runtime env `env_vars`. Setting them after NCCL
-    has initialised is silently ignored, and `worker_transport` then says so.
+    Call on every worker before its first collective: PyTorch creates communicators lazily, unless
+    `init_process_group` got `device_id=` (then call this before it, or set the variables in the Ray runtime env).
+    Set after NCCL initialised, they are silently ignored, and `worker_transport` says so.
     """
     os.makedirs(log_dir, exist_ok=True)
     values = nccl_debug_env(log_dir)
@@ -121,42 +108,32 @@ def _net_kind(plugin: str | None, provider: str | None) -> str | None:
 
 
 def parse_nccl_transport(log_text: str) -> dict:
-    """Read NCCL `NCCL_DEBUG=INFO` output and say which transports NCCL really used.
-
-    Works on stdout captures (with or without `[1,3]<stdout>:` or timestamp prefixes) and
-    on `NCCL_DEBUG_FILE` files, of one or several processes. Returns:
+    """Which transports NCCL really used, from `NCCL_DEBUG=INFO` output: stdout captures (with or without
+    `[1,3]<stdout>:` or timestamp prefixes) or `NCCL_DEBUG_FILE` files, of one or several processes. Returns:
 
         {
-          "backend": "nccl",
-          "nccl_version": "2.21.5+cuda12.4" | None,
-          "net": "efa" | "ib" | "socket" | "<plugin name>" | None,
-                      # the inter-node network NCCL selected ("Using network X"); for the
-                      # aws-ofi-nccl plugin it is the libfabric provider (efa)
+          "backend": "nccl", "nccl_version": "2.21.5+cuda12.4" | None,
+          "net": "efa" | "ib" | "socket" | "<plugin name>" | None,  # the inter-node network selected
+                                               # ("Using network X"); for aws-ofi-nccl, the libfabric provider
           "net_plugin": "Libfabric" | "AWS Libfabric" | "IB" | "IBext_v8" | "Socket" | None,
-          "net_provider": "efa" | None,        # libfabric provider (OFI plugin only)
-          "net_link_layer": "IB" | "RoCE" | None,  # NET/IB only: InfiniBand or RoCE ports
+          "net_provider": "efa" | None,        # OFI only
+          "net_link_layer": "IB" | "RoCE" | None,  # NET/IB only
           "net_devices": ["mlx5_0:1/IB", ...] | ["eth0:10.0.0.1"] | [PCI ids of EFA NICs],
           "net_nic_count": int | None,         # OFI: "found N nics"
-          "net_used": bool,                    # some channel really went "via NET/..."
-          "gdrdma": bool,                      # some NET channel used GPUDirect RDMA
+          "net_used": bool, "gdrdma": bool,    # some channel went "via NET/...", some used GPUDirect RDMA
           "intra_node": ["nvls","nvlink","p2p","shm","net"],  # subset, fastest first
-          "p2p_modes": ["P2P/CUMEM/read", ...],  # distinct P2P variants seen
-          "nodes": int | None, "local_ranks": int | None,  # from the "comm ... nNodes" line
+          "p2p_modes": ["P2P/CUMEM/read", ...],
+          "nodes": int | None, "local_ranks": int | None,  # the "comm ... nNodes" line
           "channels": {"P2P/CUMEM/read": 8, "NET/IB/0/GDRDMA": 4, ...},  # count per "via"
-          "bootstrap": "eth0:10.0.0.1<0>" | None,
-          "connected": bool,                   # "Connected all rings" seen
-          "net_line": str | None,              # the line that decided "net" (for messages)
-          "warnings": [NCCL WARN messages, at most 10],
-          "lines": [the evidence lines, message part only, at most 40],
+          "bootstrap": "eth0:10.0.0.1<0>" | None, "connected": bool,  # "Connected all rings"
+          "net_line": str | None,              # the line that decided "net"
+          "warnings": [at most 10 NCCL WARN messages], "lines": [at most 40 evidence messages],
         }
 
-    How `intra_node` is decided: `p2p` if a channel goes via `P2P/...` (CUDA IPC /
-    cuMem / direct pointer), `shm` if via `SHM/...` (through host memory), `nvls` if
-    NVLink SHARP multicast is available or NVLS channels are set up, `nvlink` if the
-    topology search reports intra type `NVL` (GRAPH subsystem), the topology dump shows
-    `NVL[..]` links between GPUs, NVLS is in use, or P2P runs in `/read` mode (NCCL only
-    enables P2P read by default over NVLink). `net` is listed when a single-node
-    communicator still routes channels via `NET/...`.
+    `intra_node`: `p2p` for a channel via `P2P/...` (CUDA IPC, cuMem, direct pointer), `shm` via `SHM/...`
+    (host memory), `nvls` when NVLink SHARP multicast is available or NVLS channels are set up, `nvlink` when
+    the topology search says type `NVL`, the topology dump shows `NVL[..]` links, NVLS is in use, or P2P runs
+    in `/read` mode (NCCL's default only over NVLink); `net` when a single-node communicator routes via `NET/...`.
     """
     scan = _LogScan()
     for raw in log_text.splitlines():
@@ -332,10 +309,8 @@ def _intra_node_paths(scan: _LogScan) -> list[str]:
 
 
 def _selected_network(scan: _LogScan) -> dict:
-    """`net`, `net_plugin`, `net_devices`, `net_link_layer` and `net_line`: the network NCCL selected.
-
-    Prefers NCCL's own "Using network X" line, then the names in "via NET/X/.." channel lines, then which
-    NET/* module initialised (plugin > IB > Socket, NCCL's own order of preference)."""
+    """The `net*` keys of the network NCCL selected: from its "Using network X" line, else the "via NET/X/.."
+    channels, else which NET/* module initialised (plugin > IB > Socket, NCCL's own preference)."""
     plugin, line = None, None
     if scan.plugins:
         plugin = scan.plugins.most_common(1)[0][0]
@@ -362,13 +337,9 @@ def _selected_network(scan: _LogScan) -> dict:
 
 
 def gloo_transport() -> dict:
-    """Transport entry for the gloo backend (CPU runs and CPU tests).
-
-    Gloo has no transport choice to make: every peer, on the same host or not, is reached
-    over TCP sockets on the interface `GLOO_SOCKET_IFNAME` (default: the address the
-    hostname resolves to). So `net` is `"socket"` and `intra_node` is `["socket"]`.
-    Same keys as `parse_nccl_transport`.
-    """
+    """Transport entry for gloo (CPU runs and tests), keys as `parse_nccl_transport`'s: gloo reaches every peer,
+    local or not, over TCP on `GLOO_SOCKET_IFNAME` (default: the hostname's address), so `net` and `intra_node`
+    are socket."""
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     line = f"gloo: TCP sockets on {iface or 'the interface of the hostname address'}"
     entry = _transport_template("gloo")
@@ -378,12 +349,8 @@ def gloo_transport() -> dict:
 
 
 def worker_transport(backend: str, log_dir: str | None = None, *, pid: int | None = None) -> dict:
-    """Transport entry of this worker process, for the process-group `backend` in use.
-
-    `gloo` -> `gloo_transport`. `nccl` -> `parse_nccl_transport` of this
-    process's NCCL log in `log_dir` (call after at least one collective). When there is no
-    log, `net` is `None` and `reason` says why.
-    """
+    """This process's transport entry for `backend`: `gloo_transport`, or `parse_nccl_transport` of its NCCL log
+    in `log_dir` (call after a collective); without a log, `net` is None and `reason` says why."""
     if "nccl" not in backend:
         entry = gloo_transport()
         entry["backend"] = backend

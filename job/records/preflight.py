@@ -25,8 +25,8 @@ INTRA_KINDS = ("nvlink", "nvls", "p2p", "shm")
 
 
 class PreflightError(RuntimeError):
-    """Preflight expectations not met. Raised on every rank; `failures` lists the reasons,
-    `result` holds the full preflight dict on rank 0 (None elsewhere)."""
+    """Preflight expectations not met, raised on every rank: `failures` the reasons, `result` the preflight dict on
+    rank 0 (None elsewhere)."""
 
     def __init__(self, failures: list[str], result: dict | None = None):
         super().__init__("preflight failed:\n  - " + "\n  - ".join(failures))
@@ -40,15 +40,9 @@ class PreflightError(RuntimeError):
 
 
 def bus_bandwidth_factor(op: str, n: int) -> float:
-    """nccl-tests' correction from algorithm to bus bandwidth (doc/PERFORMANCE.md).
-
-    algbw = S / t (S = bytes of the full buffer, t = time of one operation). busbw is what
-    each rank's link must carry, comparable to the hardware peak whatever the rank count:
-
-    * all_reduce: every element needs n-1 additions and n assignments, 2(n-1) transfers
-      over n links -> busbw = algbw * 2(n-1)/n
-    * all_gather: only the assignment half -> busbw = algbw * (n-1)/n, with S the size of
-      the gathered output (n * per-rank input)
+    """nccl-tests' factor from algorithm bandwidth (algbw = S / t, S the full buffer's bytes) to bus bandwidth, what
+    each rank's link carries, comparable to the hardware peak at any rank count (doc/PERFORMANCE.md): all_reduce
+    2(n-1)/n (n-1 additions and n assignments per element over n links); all_gather (n-1)/n, S its gathered output.
     """
     if n <= 1:
         return 0.0
@@ -114,27 +108,17 @@ def run_preflight(cfg: PreflightConfig, device: torch.device, *, log_dir: str | 
                   hostname: str | None = None) -> dict | None:
     """Measure collectives on all ranks, collect every worker's evidence on rank 0, check it.
 
-    Call on EVERY rank, after `torch.distributed` is initialised (NCCL on GPU with the CUDA
-    device already set, gloo on CPU) and after `nccl.enable_nccl_debug` if the transport
-    should be read from NCCL's logs. Arguments:
+    A collective: call on EVERY rank, after `torch.distributed` is initialised (NCCL with the CUDA device set, gloo
+    on CPU) and after `nccl.enable_nccl_debug` if NCCL's logs should give the transport. `device`: where tensors
+    live; `log_dir`: the NCCL log dir (ignored for gloo); `hostname`: this rank's node identity (tests simulate
+    several nodes), default `socket.gethostname()`.
 
-    * `cfg`: the run's `preflight` section (sizes, iterations, expectations).
-    * `device`: the `torch.device` tensors live on (`cuda:<local rank>` or `cpu`).
-    * `log_dir`: where this worker's NCCL debug log is (the dir given to
-      `nccl.enable_nccl_debug`); ignored for gloo.
-    * `hostname`: override this rank's node identity (tests simulate several nodes on one
-      machine); default `socket.gethostname()`.
-
-    What it does: gathers hostnames to find nodes; times all_reduce and all_gather at every
-    size across all ranks, then within each node that has >1 rank (a subgroup per host; only
-    when there is more than one node, since otherwise "all ranks" already is intra-node);
-    parses this worker's transport; gathers environment + transport to rank 0; rank 0 runs
-    `check_expectations` and broadcasts the verdict, so every rank returns or raises
-    `PreflightError` together. Sizes are the full buffer S of nccl-tests (all_gather:
-    the gathered output); bandwidths are GB/s = 1e9 bytes/s as nccl-tests prints them, for the
-    slowest rank. Returns the result dict on rank 0 (keys: backend, world_size, nodes, hosts,
-    sizes_mib, iters, warmup, dtype, all_ranks, intra_node, intra_node_skipped, workers,
-    expect, failures, duration_s), `None` on other ranks.
+    Times all_reduce and all_gather at every size across all ranks, and with several nodes also within each node of
+    more than one rank (a subgroup per host); gathers environment and transport to rank 0, which runs
+    `check_expectations` and broadcasts the verdict, so every rank returns or raises `PreflightError` together.
+    Sizes are nccl-tests' full buffer S; bandwidths GB/s (1e9 bytes/s) of the slowest rank. Returns the result
+    on rank 0 (backend, world_size, nodes, hosts, sizes_mib, iters, warmup, dtype, all_ranks, intra_node,
+    intra_node_skipped, workers, expect, failures, duration_s), None elsewhere.
     """
     import torch.distributed as dist
 
@@ -223,20 +207,13 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def check_expectations(result: dict, expect: ExpectConfig) -> list[str]:
-    """Compare a preflight result with `expect`; return one message per unmet expectation.
+    """One message per expectation of `expect` the preflight `result` misses, naming the setting, what was
+    measured, on which ranks and the NCCL log line it came from.
 
-    * `expect.transport`:
-      - `efa` / `ib` / `socket`: every rank's transport `net` must be that kind
-        (`roce`: `net == "ib"` on RoCE ports). It is the network NCCL selected, whether or
-        not a single-node run sends anything over it.
-      - `nvlink` / `nvls` / `p2p` / `shm`: every rank that shares its node with
-        another rank must list it in `intra_node`.
-      - `gloo`: every rank's process group must be gloo (CPU runs).
-    * `expect.min_busbw_gbps`: the all-ranks all_reduce busbw at the largest size (GB/s,
-      nccl-tests units) must reach it.
-
-    Messages name the setting, the expectation, what was measured, on which ranks, and the
-    NCCL log line it came from.
+    A network kind (`efa`, `ib`, `socket`; `roce`: `ib` on RoCE ports) must be every rank's `net`, the network
+    NCCL selected even if a single-node run sends nothing over it; an intra-node kind must be in `intra_node` of
+    every rank that shares its node; `gloo` must be every rank's backend. `min_busbw_gbps` applies to the
+    all-ranks all_reduce at the largest size.
     """
     failures: list[str] = []
     workers = result.get("workers") or []

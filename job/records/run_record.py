@@ -1,28 +1,15 @@
-"""The run record: what a run ran on, how its GPUs talked, and what it produced.
+"""The run record, `run.json` in the run directory `<storage_path>/<run name>/`: what a run ran on, how its GPUs
+talked and what it produced, so that one can trust and reproduce it.
 
-Everything here answers "can I trust and reproduce this run?" and is written down in
-`run.json` at the top of the run directory `<storage_path>/<run name>/`. The evidence
-itself comes from three other modules:
+The evidence comes from `environment` (worker inventory, image digest), `nccl` (transport; `gloo_transport` on CPU)
+and `preflight` (the collective benchmark). In `worker.train.train_loop` every rank enables NCCL's log before the
+first collective (NCCL reads its settings once, at its first communicator) and runs the preflight; rank 0 alone keeps
+the record: `start_record` after the preflight, `update_record` as training learns more, `finish_record` at the end
+or on failure.
 
-* `environment` -- worker inventory (`worker_environment`) and image digest (`pod_image`).
-* `nccl`        -- NCCL transport: ask NCCL to log (`enable_nccl_debug`), read its logs back
-                  and turn them into a small dict (`parse_nccl_transport`); `gloo_transport`
-                  for CPU runs.
-* `preflight`   -- the collective benchmark (`run_preflight`, `check_expectations`).
-
-Here: `start_record` / `update_record` / `finish_record` write `run.json`; `load_record`, `read_metrics`,
-`summarize_metrics` read it back (`compare` sets two records side by side).
-
-Where they are used: `train.train_loop`, which every worker runs. It calls `nccl.enable_nccl_debug` before
-the first collective (NCCL reads its settings once, when it creates its first communicator), then
-`preflight.run_preflight` on every rank; rank 0 alone keeps the record (`start_record` after the preflight,
-`update_record` as training learns more, e.g. the data fingerprint, `finish_record` at the end or on failure).
-
-Nothing here needs a GPU, Kubernetes or network access (`s3://` run directories aside): a
-value that cannot be known is `"unknown"` plus a `reason` instead of an exception.
-
-One module past ~500 lines on purpose: every write of `run.json` goes through it, so which attempt's record a
-run keeps (a finished one is not replaced by a later failure) is decided in one place.
+Nothing here needs a GPU, Kubernetes or network access (`s3://` aside): a value that cannot be known is `"unknown"`
+plus a `reason`, not an exception. One long module on purpose: every write of `run.json` goes through it, so which
+attempt's record a run keeps (a finished one is not replaced by a later failure) is decided in one place.
 """
 
 from __future__ import annotations
@@ -55,9 +42,8 @@ def attempt_file(number: int, name: str) -> str:
 METRICS_FILE = "metrics.jsonl"
 SCHEMA_VERSION = 1
 CLOSED_STATUSES = ("succeeded", "failed", "cancelled", "abandoned")
-"""How a record ends: `succeeded`/`failed` written by rank 0, or by the driver for what the workers could not see
-(`failed` after a lost worker, `cancelled` on a KeyboardInterrupt); `abandoned` at the next start when the driver itself was
-lost (see `failures`)."""
+"""`succeeded`/`failed` by rank 0, or by the driver for what the workers could not see (`failed` after a lost worker,
+`cancelled` on a KeyboardInterrupt); `abandoned` at the next start when the driver itself was lost."""
 
 # ---------------------------------------------------------------------------------------------
 # 1. Run record (run.json)
@@ -73,10 +59,8 @@ def _now() -> str:
 
 
 def chart_metadata(env: Mapping[str, str] | None = None) -> dict:
-    """Chart name/version, release and values hash from the env vars the chart sets.
-
-    Missing ones are `"unknown"` and `unknown_reasons[field]` says which variable was unset.
-    """
+    """Chart name/version, release and values hash from the chart's env vars; a missing one is `"unknown"`, its
+    `unknown_reasons[field]` naming the unset variable."""
     env = os.environ if env is None else env
     out: dict[str, Any] = {}
     reasons = {}
@@ -153,8 +137,8 @@ def _transport_section(workers: list[dict]) -> dict:
 
 
 def _runtime_env_section(workers: list[dict]) -> dict:
-    """The Ray runtime env of the job and what it installed at start, from every worker's inventory
-    (`environment.runtime_env_additions`; each worker's own is kept in its `environment`)."""
+    """The job's Ray runtime env and what it installed at start, from every worker's inventory
+    (`environment.runtime_env_additions`)."""
     reports = [w["environment"].get("runtime_env") or {} for w in workers]
     first = reports[0]
     return {
@@ -171,22 +155,15 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
                  seed: int | None = None, preflight: dict | None = None,
                  dataset: dict | None = None, tokenizer_sha256: str | None = None,
                  pods: list[dict] | None = None, env: Mapping[str, str] | None = None) -> dict:
-    """Create `<run_dir>/run.json` with status `running`; return the record dict.
+    """Create `<run_dir>/run.json` with status `running`; return the record.
 
-    Call on rank 0 only, once, after `preflight.run_preflight` (so hardware, transport and every
-    worker's environment are known) and before training. Arguments:
-
-    * `run_dir`: `<storage_path>/<run name>` (local path or `s3://...`).
-    * `config`: the resolved config as a plain dict; `config_text`: its YAML text exactly
-      as resolved (its sha256 is the config hash).
-    * `run_name`: default: the last path component of `run_dir`.
-    * `seed`: the training seed.
-    * `preflight`: rank 0's return value of `preflight.run_preflight` (or `PreflightError.result`);
-      `None` -> only this process's environment is recorded.
-    * `dataset` / `tokenizer_sha256`: the data module's fingerprint dict and tokenizer
-      hash, if already known (else pass them later to `update_record`).
-    * `pods`: `environment.pod_image` results to use instead of those in `preflight` (tests).
-    * `env`: mapping to read the chart's env vars from (default `os.environ`).
+    Rank 0 only, once, after `preflight.run_preflight` (hardware, transport and every worker's environment known)
+    and before training. `run_dir`: local or `s3://`. `config`: the resolved config as a dict; `config_text`: its
+    YAML as resolved (its sha256 is the config hash). `run_name` defaults to `run_dir`'s last component.
+    `preflight`: rank 0's `run_preflight` result (or `PreflightError.result`); None records this process's
+    environment only. `dataset` / `tokenizer_sha256`: the data fingerprint and tokenizer hash if known (else via
+    `update_record`). `pods`: `environment.pod_image` results overriding the preflight's (tests). `env`: where the
+    chart's env vars are read (default `os.environ`).
     """
     env = os.environ if env is None else env
     if preflight is not None:
@@ -259,8 +236,8 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
 
 
 def _lease(run_dir: str) -> dict | None:
-    """The run lease of the driver that started this attempt (`job/records/lease.py`), with what it took over; None under
-    a driver that holds none (tests calling the loop directly)."""
+    """The lease of the driver that started this attempt, with what it took over; None under a driver that holds
+    none (tests calling the loop directly)."""
     try:
         return lease_lib.read(run_dir)
     except (OSError, lease_lib.LeaseHeld):
@@ -279,12 +256,8 @@ _UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "preflig
 
 def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
                   tokenizer_sha256: str | None = None, **updates) -> dict:
-    """Merge `updates` into `record` and rewrite `run.json` (rank 0; any time mid-run).
-
-    Known keys: `dataset` (fingerprint dict), `tokenizer_sha256`, `metrics`,
-    `evaluation`, `checkpoints`, `export`, `seed`, `preflight`.
-    Anything else is kept under `extra` (a typo never crashes the end of a long run).
-    """
+    """Merge `updates` into `record` and rewrite `run.json` (rank 0, any time mid-run). Keys beyond `dataset`,
+    `tokenizer_sha256` and `_UPDATABLE` go under `extra`: a typo never crashes the end of a long run."""
     if dataset is not None:
         record["data"]["fingerprint"] = dataset
     if tokenizer_sha256 is not None:
@@ -301,17 +274,14 @@ def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
 def finish_record(run_dir: str, record: dict, *, status: str = "succeeded",
                   error: str | BaseException | dict | None = None, rank: int | None = None,
                   metrics: dict | None = None, ended_at: str | None = None, **updates) -> dict:
-    """Close the record: status, end time, metric summary, results; rewrite `run.json`.
+    """Close the record (status, end time, metric summary, results) and rewrite `run.json`.
 
-    Call on rank 0 at the end of training (`status="succeeded"`) or from the `except`
-    branch (`status="failed", error=exc, rank=0`); the driver closes what the workers could not
-    (`close_if_running`: `failed`, `cancelled`; `abandon_stale`: `abandoned`). `error` becomes the structured
-    error of `failures.describe` (its step: the last train step in the metrics; an `nccl` or `hang` error also
-    names the run's `transport` summary). `ended_at` defaults to now.
-    `metrics` defaults to `summarize_metrics` of `<run_dir>/metrics.jsonl`. Other keyword arguments as in
-    `update_record`: `evaluation` (task results), `checkpoints` (e.g.
-    `{"dir": ..., "latest": ...}`), `export` (e.g. `{"path": ..., "accepted": True}`),
-    `dataset`, `tokenizer_sha256`.
+    Rank 0 at the end of training (`status="succeeded"`) or in its `except` (`status="failed", error=exc, rank=0`);
+    the driver closes what the workers could not (`close_if_running`, `abandon_stale`). `error` becomes
+    `failures.describe`'s structured error (step: the last train step in the metrics; an `nccl` or `hang` error also
+    names the `transport` summary). `ended_at` defaults to now, `metrics` to `summarize_metrics` of
+    metrics.jsonl; other keyword arguments as in `update_record`. `ValueError` for an unknown status, or a status
+    other than succeeded without an error.
     """
     if status not in CLOSED_STATUSES:
         raise ValueError(f"status must be one of {', '.join(CLOSED_STATUSES)}, not {status!r}")
@@ -340,10 +310,9 @@ def finish_record(run_dir: str, record: dict, *, status: str = "succeeded",
 
 
 def _settle(run_dir: str, record: dict) -> None:
-    """A closed attempt that ran beside the run's record (`start_record`): one that succeeded, or trained steps
-    of a run that had not succeeded, becomes the run's record (run.json; its config.yaml, the config that trained
-    the newest checkpoints); any other (refused, failed or cancelled before a step) stays beside it, its entry in
-    the run's `later_attempts` closed."""
+    """A closed attempt that ran beside the run's record: one that succeeded, or trained steps of a run that had not
+    succeeded, becomes run.json (its config.yaml too: the config of the newest checkpoints); any other stays beside
+    it, its `later_attempts` entry closed."""
     run = load_record(run_dir)
     trained = _last_seen(run_dir, record.get("started_at")).get("steps")
     if record["status"] == "succeeded" or (run.get("status") != "succeeded" and trained):
@@ -378,9 +347,9 @@ def later_attempts_line(record: dict) -> str | None:
 
 
 def config_file(run_dir: str) -> str:
-    """Where the driver saves the config of the attempt it starts, relative to the run directory: config.yaml,
-    or `attempts/<n>/config.yaml` when the run's record holds finished work (`_has_results`): config.yaml stays
-    the config that trained the run's checkpoints until this attempt replaces the record (`_settle`)."""
+    """Where the driver saves the config of the attempt it starts, relative to the run directory: config.yaml, or
+    `attempts/<n>/config.yaml` when the record holds finished work (`_has_results`), so that config.yaml stays the
+    one of the run's checkpoints until this attempt replaces the record (`_settle`)."""
     try:
         old = load_record(run_dir)
     except (FileNotFoundError, ValueError):
@@ -402,13 +371,12 @@ def load_latest(run_dir: str) -> dict:
 
 def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, rank: int | None = None,
                      attempt: dict | None = None) -> dict | None:
-    """The driver's close of a record its workers left `running` (a lost worker, a signal to the driver): reads
-    `run.json` as it is now, keeps all it knew, and closes it with `status` and `error`. A record already closed
-    is left as it is. With `attempt` (`{"started_at": epoch seconds of this driver's start, **start_record's
-    config, config_text, run_name, seed}`), only this attempt's record is closed: a run that failed before rank 0
-    opened it (no record, or an earlier attempt's, which goes to `previous_attempts`) gets one, opened and closed
-    here, with the driver's own environment. Returns the record written, or None (also when storage refuses the
-    write, e.g. a full disk: said on stderr, so that the driver still reports the run's own error)."""
+    """The driver's close of a record its workers left `running` (a lost worker, a signal to the driver), with
+    `status` and `error`, keeping all it knew; a closed record is left alone. With `attempt` (`{"started_at": epoch
+    seconds of this driver's start, **start_record's config, config_text, run_name, seed}`) only this attempt's
+    record is closed: one that failed before rank 0 opened a record gets one here, with the driver's environment.
+    Returns the record written, or None (also when storage refuses the write, e.g. a full disk: said on stderr, so
+    that the driver still reports the run's own error)."""
     try:
         record = load_latest(run_dir)
     except FileNotFoundError:
@@ -438,9 +406,8 @@ def _opened_since(record: dict, since: float) -> bool:
 
 
 def abandon_stale(run_dir: str) -> dict | None:
-    """At the start of a run: a record left `running` by a driver whose heartbeat is stale (`lease_lib.liveness`)
-    is closed `abandoned` (`unknown`/`driver_lost`), ending when it was last seen (its last metrics record, else
-    its last heartbeat). Returns the record written, or None when there was nothing to close."""
+    """At a run's start, close `abandoned` (`unknown`/`driver_lost`) a record left `running` by a driver whose
+    heartbeat is stale, ending when last seen (its last metrics record or heartbeat). The record written, or None."""
     try:
         record = load_latest(run_dir)
     except (OSError, ValueError):
@@ -462,9 +429,8 @@ def write_record(run_dir: str, record: dict) -> None:
 
 
 def _previous_attempts(run_dir: str, old: dict | None) -> list[dict]:
-    """Earlier attempts of the same run (a retried RayJob, a resumed re-run), oldest first: what each started,
-    ended and reached, from the run's record `old`: its own earlier ones, itself, and the attempts after it that
-    did not replace it (`later_attempts`)."""
+    """Earlier attempts of the run (a retried RayJob, a resumed re-run), oldest first, from its record `old`: its
+    `previous_attempts`, itself and its `later_attempts`."""
     if old is None:
         return []
     return [*old.get("previous_attempts", []),
@@ -491,8 +457,8 @@ def _close_summary(run_dir: str, summary: dict) -> dict:
 
 
 def _last_seen(run_dir: str, started_at: str | None) -> dict:
-    """For an attempt that never closed its record: its last train step and the time of its last metrics
-    record (its end, to within one logging interval)."""
+    """An unclosed attempt's last train step and the time of its last metrics record (its end, to within one
+    logging interval)."""
     try:
         since = _dt.datetime.fromisoformat(started_at).timestamp() if started_at else 0.0
         rows = [r for r in read_metrics(run_dir) if isinstance(r.get("time"), (int, float)) and r["time"] >= since]
@@ -536,8 +502,8 @@ _JSON_TYPES = {"object": dict, "array": list, "string": str, "number": (int, flo
 
 
 def check_types(record, path: str) -> None:
-    """`ValueError` naming the first top-level field of `record` whose JSON type its schema does not allow (what
-    `report`, `compare` and `runs` read as objects, lists or numbers), or `record` itself not an object."""
+    """`ValueError` naming the first top-level field of `record` whose JSON type the schema does not allow, or
+    `record` not an object: the readers rely on these types."""
     if not isinstance(record, dict):
         raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a run record (an object)")
     with open(schema_path()) as f:
@@ -583,12 +549,9 @@ def _median(values: list[float]) -> float | None:
 
 
 def summarize_metrics(rows: Iterable[dict]) -> dict:
-    """Summary of metrics.jsonl rows for the record and the report.
-
-    Throughput and MFU are medians over the second half of the train steps (the first half
-    includes compilation and warm-up); peak memory is the maximum. `task_eval` keeps the last
-    result per task. The method (`full` or `lora`), LoRA rank and trainable parameters come from the start record.
-    """
+    """Summary of metrics.jsonl rows for the record and the report: throughput and MFU are medians over the second
+    half of the train steps (the first includes compilation and warm-up), peak memory the maximum, `task_eval` the
+    last result per task; method, LoRA rank and trainable parameters come from the start row."""
     rows = list(rows)
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r.get("step", 0))
     evals = sorted((r for r in rows if r.get("kind") == "eval" and r.get("eval_loss") is not None),

@@ -1,21 +1,16 @@
 """MLflow tracking (`logging.mlflow`): one MLflow run per run, named after it, continued by every attempt.
 
-* The driver, before any worker starts (`start`): creates the run (the experiment too, when missing) with the
-  run config flattened into params, or continues the one `<run dir>/mlflow.json` names (a retried RayJob, a
-  `helm upgrade`, the same command again); an unreachable server stops the run there, one line naming
-  `logging.mlflow.tracking_uri` (a missing package already did, in `packages.check_config`).
-* Rank 0, as it logs (`MlflowMetrics`, one of `metrics.MetricsLogger`'s sinks): every number of every metrics
-  record at its step (`metrics.scalars`: the names TensorBoard shows). A server that stops answering mid-run gets
-  one warning and no more calls from this attempt: training never waits on it, metrics.jsonl has every record.
-  Steps recomputed after a resume are logged again: MLflow keeps every point, so such a step has each attempt's
-  (the later is the run's; metrics.jsonl and TensorBoard keep that one only).
-* The driver, when the attempt has ended (`finish`): tags from run.json (status, failure class and reason, image
-  digest, chart version, values hash), run.json and report.md as artifacts, and the run ended with its status
-  (`FINISHED`, `FAILED`, `KILLED`). Params are the first attempt's (MLflow keeps a param's first value): a
-  later attempt's config is in its run.json.
+* The driver, before any worker starts (`start`): creates the run (and experiment) with the flattened config as
+  params, or continues the one `mlflow.json` names; an unreachable server stops the run there, naming
+  `logging.mlflow.tracking_uri`.
+* Rank 0 (`MlflowMetrics`, a `metrics.MetricsLogger` sink): every number of every record at its step. A server that
+  stops answering gets one warning and no more calls from this attempt: training never waits on it. A step
+  recomputed after a resume is logged again, so MLflow has each attempt's (the later is the run's).
+* The driver, after the attempt (`finish`): tags from run.json, run.json and report.md as artifacts, the end
+  status. Params stay the first attempt's (MLflow keeps a param's first value).
 
-mlflow is imported only here, only when configured. The client's HTTP retries are cut to none and its timeout
-to 10 s (`MLFLOW_HTTP_REQUEST_*`, unless set), so a dead server costs one call, not minutes of back-off.
+mlflow is imported only here, only when configured. HTTP retries are cut to none and the timeout to 10 s (unless
+`MLFLOW_HTTP_REQUEST_*` are set), so a dead server costs one call, not minutes of back-off.
 """
 
 from __future__ import annotations
@@ -48,8 +43,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def start(cfg: config_lib.RunConfig, run_dir: str) -> str:
-    """The MLflow run id of this run, created or continued (see the module docstring); `ConfigError` when the
-    server cannot be reached."""
+    """This run's MLflow run id, created or continued; `ConfigError` when the server cannot be reached."""
     from mlflow.entities import Param, RunStatus
 
     uri, path = cfg.logging.mlflow.tracking_uri, storage.join(run_dir, RUN_FILE)
@@ -100,8 +94,7 @@ class MlflowMetrics:
 
 def finish(tracking_uri: str, run_dir: str, run_id: str, write_report: Callable[..., list[str]]) -> None:
     """Tags, artifacts and the end status from run.json (the driver, after the attempt); `write_report(run_dir, out,
-    plots=False)` writes report.md into `out` (`commands.report.write_report`). A failure here is one warning, never
-    the run's failure."""
+    plots=False)` writes report.md into `out`. A failure here is one warning, never the run's."""
     from mlflow.entities import RunTag
 
     try:
