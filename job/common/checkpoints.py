@@ -1,36 +1,14 @@
 """What a checkpoint is: its place in the run directory, how it is verified (checksums) and which runs it may
-continue (the run's identity), without torch: the driver checks a resume here before any worker
-starts. Finding the resume point among the ranks and reading a checkpoint back is `worker/checkpoint/resume.py`'s,
-saving one while training goes on `worker/checkpoint/writer.py`'s.
+continue (the run's identity), without torch: the driver checks a resume here before any worker starts. Resuming
+is `worker/checkpoint/resume.py`'s, saving `worker/checkpoint/writer.py`'s.
 
-Layout of a run (`<storage_path>/<name>/`, a local directory, a mounted PVC/NFS path or an `s3://` URI):
+The run directory's layout is docs/checkpoints.md's ("Where things go"): `checkpoint_<step>/` holds DCP's sharded
+model and optimizer, `rng/`, `checksums/`, `train_state.json`, `_COMPLETE` (written last by rank 0: only a
+directory with it is a checkpoint) and perhaps `_UNUSABLE`. Besides: `data_cache/<key>.pt` (worker/data.py
+`build_once`) and, beside the runs, `<storage_path>/.compile_cache/` (worker/compile_cache.py).
 
-    config.yaml                      resolved config that trained the checkpoints (run_record.config_file)
-    lease.json, heartbeat.json       the driver writing the run, while it runs (job/records/lease.py)
-    attempts/<n>/                    config.yaml and run.json of attempts that ran beside a finished record
-    metrics.jsonl                    rank 0's metric records (lines past a resumed step are dropped)
-    checkpoint_00000040/             one checkpoint per saved step, written in place by every rank:
-        .metadata, __<rank>_0.distcp     torch.distributed.checkpoint (model + optimizer, sharded; reshardable)
-        rng/rank00000.pt ...             per-rank RNG states (torch CPU/CUDA, python, numpy)
-        checksums/rank00000.json ...     sha256 and size of each file that rank wrote
-        train_state.json                 step, data position, LR schedule, world size, architecture, run
-                                         identity (tokenizer, data, seq_len, seed, global batch), config
-        _COMPLETE                        written last, by rank 0, after every rank finished: only a directory
-                                         with this marker is a checkpoint (a crash mid-save leaves none)
-        _UNUSABLE                        (only) a complete checkpoint that failed verification on resume
-    export/                          model.safetensors, config.json, tokenizer files, reference.json,
-                                     acceptance.json and the `_VALID` marker once the reload check passed
-    data_cache/<key>.pt              the run's tokenized, packed data, built once (worker/data.py build_once)
-    faults/                          markers of injected faults (debug.fail_at_step), so each fires once
-    workers/rank<r>.pid              worker process ids (local storage only; for failure drills)
-
-Beside the runs, `<storage_path>/.compile_cache/<key>.bin` keeps what `torch.compile` built (job/worker/compile_cache.py).
-
-Both launchers run the same code (`worker/checkpoint/writer.py`, `Checkpointer`): every rank writes its DCP shards straight
-to the checkpoint directory and lists their checksums, then rank 0 writes `train_state.json` and `_COMPLETE` and
-prunes old checkpoints. A resume (worker-group restart, retried job, re-run) scans the run directory, newest first, for a checkpoint
-whose files all match their checksums. Checkpoints are not reported to Ray Train: its own bookkeeping would
-refuse a restart when a listed checkpoint is gone, and prune without knowing which ones are verified.
+Both launchers run the same code. Checkpoints are not reported to Ray Train: its bookkeeping would refuse a
+restart when a listed checkpoint is gone, and prune without knowing which ones verify.
 """
 
 from __future__ import annotations
@@ -45,7 +23,7 @@ COMPLETE = "_COMPLETE"
 
 
 UNUSABLE = "_UNUSABLE"
-"""Marker written into a complete checkpoint that failed verification on resume, with the reason: never used again."""
+"""Marker of a complete checkpoint that failed verification on resume, with the reason: never used again."""
 
 
 CHECKSUMS = "checksums"
@@ -79,8 +57,7 @@ def step_dir(step: int) -> str:
 
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
-    """(step, uri, usable) of every `checkpoint_<step>` directory of a run, oldest first; usable: complete
-    (`_COMPLETE`) and not found bad on an earlier resume (`_UNUSABLE`)."""
+    """(step, uri, usable) of every `checkpoint_<step>` of a run, oldest first; usable: complete, not `_UNUSABLE`."""
     fs, path = storage.filesystem(run_dir)
     if not fs.exists(path):
         return []
@@ -100,9 +77,8 @@ def latest_complete(run_dir: str) -> str | None:
 
 
 def write_checksums(uri: str, rank: int) -> None:
-    """Writes `checksums/rank<r>.json` into checkpoint `uri`: sha256 and size of every file this rank wrote
-    (its DCP shards `__<rank>_*.distcp`, rank 0 also `.metadata`, and its RNG file), read back from storage,
-    so the list describes what a resume will read. Call once this rank's files are written, before `_COMPLETE`."""
+    """Write `checksums/rank<r>.json` into checkpoint `uri`: sha256 and size of every file this rank wrote, read
+    back from storage, so that it describes what a resume will read. Call once they are written, before `_COMPLETE`."""
     fs, path = storage.filesystem(uri)
     names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.glob(f"{path}/__{rank}_*.distcp"))
     if rank == 0:
@@ -117,10 +93,9 @@ def write_checksums(uri: str, rank: int) -> None:
 
 
 def verify(uri: str, rank: int = 0, world: int = 1) -> list[str]:
-    """Checks checkpoint `uri`'s files against the checksums their writers listed; returns the problems found,
-    one per file ("<file> (written by rank <r>): ..."). The lists of writer ranks `rank`, `rank + world`, ...
-    are this caller's share, so `world` ranks verify a checkpoint together, each reading a part of it.
-    Checkpoints of train-state format 1 (before checksums) have nothing to verify."""
+    """Check checkpoint `uri`'s files against their writers' checksums; returns the problems, one per file. This
+    caller checks writer ranks `rank`, `rank + world`, ..., so `world` ranks share the reading. Train-state format
+    1 (before checksums) has nothing to verify."""
     state = read_state(uri)
     if state.get("format", 1) < 2:
         return []
@@ -174,9 +149,8 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
 
 
 def retire_ray_snapshot(run_dir: str) -> bool:
-    """Deletes Ray Train's checkpoint list left by an earlier version of this job, which reported checkpoints
-    to Ray: Ray would refuse to start when a checkpoint it lists is gone, and would prune by its own list.
-    Checkpoints are now found, verified and pruned here alone, from the run directory. True if there was one."""
+    """Delete the Ray Train checkpoint list an earlier version left (see the module docstring); True if there was
+    one."""
     snapshot = storage.join(run_dir, RAY_SNAPSHOT)
     if not storage.exists(snapshot):
         return False
@@ -195,9 +169,9 @@ a full fine-tune (or the other way round); no `allow_changes` lifts these."""
 
 
 def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> dict:
-    """What makes a resumed run the same run as the one that saved the checkpoint (see `check_identity`):
-    the tokenizer and the data read (source hashes, revisions and row counts; paths left out, so a moved copy
-    of the same files matches), and the settings that decide which tokens each step trains on."""
+    """What makes a resumed run the one that saved the checkpoint (`check_identity`): the tokenizer and data read
+    (hashes, revisions, row counts; not paths, so a moved copy matches) and the settings that decide which tokens
+    each step trains on."""
     def content(value):
         if isinstance(value, dict):
             return {k: content(v) for k, v in value.items() if k not in ("source", "path")}
@@ -214,18 +188,17 @@ def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> di
 
 
 def adapter_identity(cfg: config_lib.RunConfig, base_fingerprint: dict) -> dict:
-    """The identity keys of a LoRA run (`run_identity`'s, added): the adapters' shape and the sha256 of the base
-    weights' fingerprint (`model.weights_fingerprint`: each weight file's sha256, or the random init's source,
-    whose seed `run_identity` holds)."""
+    """A LoRA run's identity keys beyond `run_identity`'s: the adapters' shape and the sha256 of the base weights'
+    fingerprint (`model.weights_fingerprint`)."""
     lora = cfg.model.lora
     return {"lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.targets)},
             "base": storage.json_sha256(base_fingerprint)}
 
 
 def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) -> None:
-    """Refuses (`CheckpointError`, naming each field) to resume a checkpoint whose run differs from this one
-    in anything of `run_identity` not listed in `checkpoint.allow_changes`. For a checkpoint saved without an
-    identity (train-state format 1) the settings come from its config; tokenizer and data cannot be compared."""
+    """Refuse (`ResumeRefused`, naming each field) a checkpoint whose run differs from this one in anything of
+    `run_identity` not in `checkpoint.allow_changes`, or in `ADAPTER_FIELDS`. Without a saved identity (format 1)
+    the settings come from its config; tokenizer and data cannot be compared."""
     saved = dict(state.get("identity") or {})
     if not saved:
         c = state["config"]["train"]
@@ -268,9 +241,8 @@ def check_architecture(uri: str, state: dict, current: dict) -> None:
 
 
 def prune(run_dir: str, keep_last: int, keep_before: int) -> None:
-    """Deletes what no resume will use: interrupted or unusable saves older than `keep_before` (the step just
-    saved), and all but the newest `keep_last` usable checkpoints up to it. The newest usable one, the
-    checkpoint just saved (its checksums taken from what storage holds), is never deleted."""
+    """Delete what no resume will use: interrupted or unusable saves older than `keep_before` (the step just saved)
+    and all but the newest `keep_last` usable checkpoints up to it; the one just saved is never deleted."""
     entries = [(step, uri, ok) for step, uri, ok in list_checkpoints(run_dir) if step <= keep_before]
     usable = [uri for _, uri, ok in entries if ok]
     doomed = [uri for step, uri, ok in entries if not ok and step < keep_before] + usable[:-keep_last]

@@ -1,7 +1,6 @@
 """Resuming a worker group: the checkpoint it starts from, every rank verifying a share of its files
-(`find_resume_point`), and reading it back into the sharded model and optimizer (`restore`). What a checkpoint is,
-where it lives and which runs it may continue is `common/checkpoints.py`'s (the driver checks there first); saving
-one is `writer.py`'s."""
+(`find_resume_point`), and reading it into the sharded model and optimizer (`restore`). The layout and which runs
+a checkpoint may continue are `common/checkpoints.py`'s."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ if TYPE_CHECKING:
     from ..model.causal_lm import CausalLMWithLoss
 
 def _unusable_reason(uri: str) -> str | None:
-    """Why checkpoint `uri` cannot be resumed from, or None (collective: the checksum verification is shared
-    among the ranks and every rank gets the same answer)."""
+    """Why checkpoint `uri` cannot be resumed from, or None (collective: the ranks share the verification and
+    get the same answer)."""
     problems = []
     if not storage.exists(storage.join(uri, COMPLETE)):
         problems.append(f"incomplete (no {COMPLETE} marker: the save was interrupted)")
@@ -46,17 +45,15 @@ def _unusable_reason(uri: str) -> str | None:
 
 
 def find_resume_point(cfg: config_lib.RunConfig, run_dir: str) -> tuple[str | None, list[dict]]:
-    """The checkpoint this worker group starts from (None: from scratch) and the checkpoints skipped as
-    unusable, newest first, each `{"checkpoint", "step", "reason"}` (collective: every rank calls it).
+    """The checkpoint this worker group starts from (None: from scratch) and those skipped as unusable, newest
+    first, each `{"checkpoint", "step", "reason"}` (collective).
 
-    One rule for every launcher and every restart (a worker-group restart, a retried job, a re-run of the same
-    name): the run's checkpoint directories are tried newest first, and the first usable one wins: complete,
-    its train state readable and every file matching its checksum (each rank verifies a share). A newer one
-    that is not usable is skipped, and the caller records it and why (`metrics.jsonl` resume record,
-    `run.json` `resumed_from`); a complete one found corrupt is also marked `_UNUSABLE`, so later prunes
-    delete it and later resumes skip it without reading it again. When the run has complete checkpoints but
-    none is usable, `CheckpointError` lists each and why: a run that saved progress never starts from scratch
-    silently. Only a run without a complete checkpoint of its own starts from an explicit `resume` URI.
+    One rule for every launcher and restart: the run's checkpoints are tried newest first and the first usable
+    one wins (complete, train state readable, every file matching its checksum). One skipped is returned for the
+    caller to record; a complete one found corrupt is also marked `_UNUSABLE`, so later prunes delete it and
+    resumes skip it unread. Complete checkpoints but none usable raise `CheckpointError` listing each and why: a
+    run that saved progress never starts over silently. Only a run without a complete checkpoint of its own
+    starts from an explicit `resume` URI.
     """
     skipped = []
     entries = list_checkpoints(run_dir)
@@ -128,10 +125,9 @@ def without_frozen(model: CausalLMWithLoss, model_sd: dict) -> dict:
 
 def restore(uri: str, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer, cfg: config_lib.RunConfig,
             identity: dict) -> dict:
-    """Loads a checkpoint (verified by `find_resume_point`) into the sharded model and optimizer (any world
-    size: DCP reshards) and this rank's RNG states; returns its train state. Refuses a checkpoint of another
-    architecture or, per `check_identity`, of another run. Any problem raises `CheckpointError` naming the
-    checkpoint (a failed read names each rank's cause)."""
+    """Load a checkpoint verified by `find_resume_point` into the sharded model and optimizer (any world size: DCP
+    reshards) and this rank's RNG states; returns its train state. Another architecture or, per `check_identity`,
+    another run's is refused; any problem raises `CheckpointError` naming the checkpoint (and each rank's cause)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -169,11 +165,10 @@ def failure_causes(error: BaseException) -> str:
 def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_blocks: int | None) -> tuple[int, bool]:
     """This run's per-rank micro-batch index to resume at, and whether it continues the data order exactly.
 
-    Same world size and micro-batch size: the saved index (step x accum). Otherwise the global number of
-    samples consumed in the current epoch is divided among the new ranks (`micro_batches` shards each epoch's
-    permutation `rank::world`, so the first k micro-batches of every rank are the permutation's first
-    k x world x batch positions): exact when it divides evenly; each epoch's dropped remainder depends on the
-    world size, so a later epoch boundary may differ by a few blocks.
+    Same world size and micro-batch size: the saved index. Otherwise the samples consumed in the current epoch are
+    divided among the new ranks (`micro_batches` shards each epoch's permutation `rank::world`, so every rank's
+    first k micro-batches are its first k x world x batch positions): exact when it divides evenly; each epoch's
+    dropped remainder depends on the world size, so a later epoch boundary may differ by a few blocks.
     """
     d, mb = state["data"], cfg.train.micro_batch_size
     k, w0, mb0 = d["micro_batch_index"], state["world_size"], d["micro_batch_size"]
@@ -190,8 +185,8 @@ def data_start(state: dict, cfg: config_lib.RunConfig, world: int, n_train_block
 
 
 def train_state(cfg: config_lib.RunConfig, step: int, world: int, arch: dict, identity: dict) -> dict:
-    """`train_state.json` of the checkpoint of `step`: where the data and the LR schedule stand, the world size,
-    the model's architecture, the run's identity (`run_identity`) and the config, for the resume."""
+    """`train_state.json` of the checkpoint of `step`, for the resume: data and LR schedule positions, world size,
+    architecture, the run's identity and config."""
     accum, mb = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
     return {
         "format": 2,

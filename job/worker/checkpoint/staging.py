@@ -1,6 +1,5 @@
-"""Staging: where a save first copies the state it writes (on the device or in host memory), and the host buffers
-it copies into, prepared beside the steps. `checkpoint_writer.Checkpointer` decides and stages; the write reads the
-staged copy while training goes on changing the original."""
+"""Staging: where a save first copies the state it writes (device or host memory), and the host buffers, prepared
+beside the steps. The write reads the staged copy while training goes on changing the original (`Checkpointer`)."""
 
 from __future__ import annotations
 
@@ -38,11 +37,9 @@ STAGING_HEADROOM = 0.05
 def choose_staging(device: torch.device, need: int) -> dict:
     """`{"on": "device" | "host", "bytes", ...}`: where a save first copies this rank's `need` bytes of state.
 
-    On the device when it has room beside training's peak (`max_memory_reserved`), the other processes on it
-    and `STAGING_HEADROOM`: a copy of the 1.5B's 18.5 GB there held training 0.02-0.21 s on one H200, where one
-    into host memory takes 0.34 s once its buffers are page-locked (0.85 s, at the first save; docs/checkpoints.md
-    "Asynchronous saves"); the write then copies it to host memory beside the steps, on a stream of its own. Else
-    in host memory, as on CPU."""
+    On the device when it has room beside training's peak (`max_memory_reserved`), the other processes on it and
+    `STAGING_HEADROOM`: a faster copy than into host memory (docs/checkpoints.md), which the write then copies to
+    host memory beside the steps, on a stream of its own. Else in host memory, as on CPU."""
     if device.type != "cuda":
         return {"on": "host", "bytes": need, "reason": "not a GPU"}
     free, total = torch.cuda.mem_get_info(device)
@@ -56,13 +53,11 @@ class HostStager:
     """Copies a state dict's tensors (DTensors: their local shards) into host buffers kept from save to save, so
     training may go on changing the originals while the writer writes the copy.
 
-    Buffers are keyed by their place in the state dict: page-aligned mappings, in shared memory for the writer
-    process and anonymous otherwise. `reserve` creates them and has a thread fault their pages in beside the steps
-    (`MADV_POPULATE_WRITE`: one system call per buffer, without the interpreter lock or a CUDA call); where the
-    saves copy into them from the GPU, the first `stage` page-locks them in place (`cudaHostRegister`), so that
-    its copies are asynchronous and waited for once. On one H100 (bench/staging_alloc.py) faulting the 1.5B's
-    18.5 GB took 11.3 s, page-locking the faulted pages 0.85 s, allocating them pinned instead 8.2 s, and the copy
-    into them 0.34 s. Everything that is not a tensor is deep-copied.
+    Buffers, keyed by their place in the state dict, are page-aligned mappings: shared memory for the writer
+    process, else anonymous. `reserve` creates them and has a thread fault their pages in beside the steps
+    (`MADV_POPULATE_WRITE`: one system call per buffer, without the interpreter lock or a CUDA call); copying from
+    a GPU, the first `stage` page-locks them in place (`cudaHostRegister`, much faster than allocating pinned;
+    docs/checkpoints.md), so that copies are asynchronous and waited for once. Non-tensors are deep-copied.
     """
 
     def __init__(self, pin: bool, shared: bool = False):
@@ -73,13 +68,13 @@ class HostStager:
         self.timings: dict[str, float] = {}  # populate_s, waited_s, lock_s: how the first save's buffers came to be
 
     def reserve(self, layout: dict[tuple, tuple[torch.Size, torch.dtype]], executor: Executor) -> None:
-        """Creates the buffers of `layout` (`tensor_layout`) and has `executor` fault their pages in."""
+        """Create the buffers of `layout` and have `executor` fault their pages in."""
         self.buffers.update({path: host_buffer(shape, dtype, self.shared) for path, (shape, dtype) in layout.items()})
         self.populated = executor.submit(populate, list(self.buffers.values()))
 
     def stage(self, state_dict: dict, after: torch.cuda.Event | None = None) -> dict:
-        """The staged copy of `state_dict`. `after`: the state is a save's copy on the GPU, made once that event
-        has passed; it is copied on a stream of its own (in the write thread, beside the training's stream)."""
+        """The staged copy of `state_dict`. `after`: the state is a device copy, made once that event has passed,
+        copied on a stream of its own (in the write thread, beside training's stream)."""
         if self.populated is not None:
             start = time.perf_counter()
             self.timings["populate_s"] = round(self.populated.result(), 3)
@@ -103,8 +98,8 @@ class HostStager:
         return staged
 
     def release(self) -> None:
-        """Unlocks the page-locked buffers: their memory is unmapped when they are dropped, and CUDA would refuse to
-        lock a later mapping at the same address."""
+        """Unlock the page-locked buffers: dropped, they are unmapped, and CUDA would refuse to lock a later mapping
+        at the same address."""
         for buffer in self.locked:
             torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
         self.locked.clear()
@@ -132,8 +127,7 @@ MADV_POPULATE_WRITE = 23
 
 def host_buffer(shape: torch.Size, dtype: torch.dtype, shared: bool) -> torch.Tensor:
     """An empty tensor in a page-aligned mapping of its own: shared memory, which the writer process maps too
-    (created there, not moved: `share_memory_()` copies the tensor in while holding the interpreter lock, ~10 ms
-    per 55 MB projection), or anonymous memory. Its pages are faulted in by `populate` or on first touch."""
+    (created there: `share_memory_()` would copy it in holding the interpreter lock), or anonymous memory."""
     nbytes = shape.numel() * dtype.itemsize
     if not nbytes:
         return torch.empty(shape, dtype=dtype)
@@ -143,8 +137,7 @@ def host_buffer(shape: torch.Size, dtype: torch.dtype, shared: bool) -> torch.Te
 
 
 def populate(buffers: list[torch.Tensor]) -> float:
-    """Faults the buffers' pages in; returns the seconds it took. Where the kernel lacks `MADV_POPULATE_WRITE`
-    the first save's copy faults them in instead."""
+    """Fault the buffers' pages in; returns the seconds. Without `MADV_POPULATE_WRITE` the first copy does."""
     start = time.perf_counter()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -156,9 +149,8 @@ def populate(buffers: list[torch.Tensor]) -> float:
 
 
 def map_tensors(obj, fn: Callable[[tuple, torch.Tensor], torch.Tensor], path: tuple = ()):
-    """A nested state dict (dicts, lists, tuples) rebuilt with `fn(path, tensor)` in place of each tensor, `path`
-    being the tensor's place in it. A DTensor's local shard goes to `fn`, and the result becomes the shard of a
-    DTensor like it. Everything else is deep-copied."""
+    """A nested state dict (dicts, lists, tuples) rebuilt with `fn(path, tensor)` for each tensor at `path`; a
+    DTensor's local shard goes to `fn`, the result the shard of a DTensor like it. The rest is deep-copied."""
     if isinstance(obj, DTensor):
         local = fn(path, obj.to_local())
         return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,

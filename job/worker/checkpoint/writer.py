@@ -1,7 +1,6 @@
-"""Saving checkpoints while training goes on: the asynchronous writer (`Checkpointer`, DCP in a writer process or a
-thread), where a save first copies the state (on the device, or host buffers: `staging.py`) and which writer runs
-(`choose_writer`). What a checkpoint holds and how it is verified is `common/checkpoints.py`'s; this module writes
-that layout.
+"""Saving checkpoints while training goes on (`Checkpointer`; docs/checkpoints.md): DCP in a writer process or a
+thread (`choose_writer`), from a copy on the device or in host buffers (`staging.py`). The layout written is
+`common/checkpoints.py`'s.
 """
 
 from __future__ import annotations
@@ -34,20 +33,15 @@ class Checkpointer:
     """Saves checkpoints while training goes on (collective: every rank makes the same calls in the same order).
 
     `save(step)` copies this rank's shards of the model and optimizer state where training cannot change them,
-    which is all training waits for: on the GPU itself when it has room for the copy beside training's peak
-    (`choose_staging`), the write then copying it to host memory beside the steps; else into host memory
-    (`HostStager`: page-locked on GPU, prepared beside the steps before the first save, reused).
-    The write (DCP shards, over a gloo group of its own so that the training's collectives keep the default
-    group to themselves) runs in a writer process per worker that reads the staged state from shared memory,
-    or in a thread (`checkpoint.async_writer`, chosen in `prepare`); a background thread then writes this
-    rank's RNG state and checksums. A checkpoint becomes complete only in `finish()`, once every rank's write
-    has returned: rank 0 then writes `train_state.json` and, last, `_COMPLETE`, and prunes. A save cut short
-    (a worker died mid-write) has no marker and is never resumed from; the previous complete checkpoint is.
-    (A writer process whose worker died finishes or fails the write it is in, then exits: its pipe is closed.)
+    which is all training waits for: on the device when it has room beside training's peak, else into host
+    buffers (`choose_staging`). The write (DCP shards over a gloo group of its own, so that training's
+    collectives keep the default group to themselves) runs in a writer process or a thread (`choose_writer`),
+    then this rank's RNG state and checksums. A checkpoint is complete only in `finish()`, once every rank's write
+    returned: rank 0 writes `train_state.json` and, last, `_COMPLETE`, then prunes; a save cut short has no
+    marker and is never resumed from.
 
     At most one save is in flight: `save` finishes the previous one first. The loop calls `finish()` at a log
-    step once every rank reports its write done (`write_done`, summed with the loss), and at the end of the run,
-    before the job reports success.
+    step once every rank's `write_done` (summed with the loss), and at the end of the run, before success.
     """
 
     def __init__(self, cfg: config_lib.RunConfig, run_dir: str, device: torch.device, identity: dict):
@@ -65,7 +59,7 @@ class Checkpointer:
         self.writer_start = None  # future of the writer process's start (`prepare`), until the first save
         self.arch: dict = {}
         self.injected_write_error: Callable[[int], None] | None = None
-        """Called with the step in each write, once its shards are written: a fault a drill arms (`faults.FaultInjection`)."""
+        """Called with the step once a write's shards are written: a drill's fault (`faults.FaultInjection`)."""
 
     def due(self, step: int) -> bool:
         """Whether the loop saves at `step`: every `checkpoint.every_steps`, and the run's last step."""
@@ -73,19 +67,18 @@ class Checkpointer:
         return step == self.cfg.train.max_steps or bool(every and step % every == 0)
 
     def prepare(self, model: CausalLMWithLoss) -> dict:
-        """Chooses the writer (collective) and starts the writer process, before the first step; returns the
-        choice, `self.writer`."""
+        """Choose the writer (collective) and start the writer process, before the first step; returns
+        `self.writer`."""
         self.writer = choose_writer(self.cfg.checkpoint.async_writer, first_save_layout(model), self.group)
         if self.writer["writer"] == "process":
             self._start_writer_process()
         return self.writer
 
     def _start_writer_process(self) -> None:
-        """Starts DCP's writer process now, in the write thread, while the first steps run, instead of in the
-        first save's write: its start (a spawned interpreter importing torch, then its gloo group) took 6.1 s of a
-        2-core machine's first write, in which a crash lost that save too. The first `save` waits for
-        it, so that no write is slower than the write itself. Collective: the ranks agree on the writers'
-        rendezvous here. Skipped where DCP's internals differ (then the first save starts it)."""
+        """Start DCP's writer process in the write thread while the first steps run, not in the first save's write,
+        which its start (an interpreter importing torch, then its gloo group) would lengthen, widening the window
+        in which a crash loses that save. The first `save` waits for it. Collective: the ranks agree on the
+        writers' rendezvous here. Skipped where DCP's internals differ (the first save starts it then)."""
         try:
             from torch.distributed.checkpoint import _async_process_executor as process_executor
 
@@ -102,9 +95,8 @@ class Checkpointer:
         self.writer_start = self.executor.submit(start)
 
     def save(self, step: int, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer, last: bool = False) -> None:
-        """Starts saving `step`; returns once the state is copied, on the device or into host memory. `last`: the
-        state will not change any more (the run's last step), so staging on the device needs no copy: the write
-        copies the state into host memory from where it is."""
+        """Start saving `step`; returns once the state is copied. `last`: the run's last step, whose state no
+        longer changes, so device staging needs no copy."""
         self.finish()
         if not self.writer:
             self.prepare(model)
@@ -137,13 +129,12 @@ class Checkpointer:
             self.finish()
 
     def prepare_staging(self, model: CausalLMWithLoss, optimizer: torch.optim.Optimizer) -> None:
-        """Decides where this rank's saves stage (`choose_staging`), once training's peak memory is known: the loop
-        calls it after the attempt's second step, the first that holds the optimizer's state from start to end (a
-        save before that decides itself; after the first step alone the peak lacked AdamW's 12 GB of the 1.5B, and
-        staging on an H100's device then ran the held-out evaluation out of memory). The decision is kept: later
-        saves would count the copy itself in that peak. The host buffers, which every save fills (host staging)
-        or the write does (device staging), are created now and faulted in by the write thread while the steps run
-        (`HostStager.reserve`), so that the first save does not wait for ~10 s of page faults."""
+        """Decide where this rank's saves stage (`choose_staging`) once training's peak memory is known: the loop
+        calls it after the attempt's second step, the first that holds the optimizer's state throughout (after
+        the first alone the peak lacks AdamW's state, and device staging can then run the evaluation out of
+        memory); a save before that decides itself. Kept: later saves would count the copy in the peak. The host
+        buffers are created now and faulted in by the write thread beside the steps (`HostStager.reserve`), so
+        that the first save does not wait for the page faults."""
         if self.cfg.checkpoint.async_save:  # a synchronous save waits for its write anyway: it prepares them then
             self._decide_staging(model, optimizer)
 
@@ -160,15 +151,14 @@ class Checkpointer:
         self.stager.reserve(layout, self.executor)
 
     def wait_device_copy(self) -> None:
-        """Waits until the save in flight no longer holds its copy on the device: before work that may need
-        more device memory than training's peak (the task evaluations, the export)."""
+        """Wait until the save in flight releases its device copy: before work that may need more device memory
+        than training's peak (task evaluation, export)."""
         self.device_copy_released.wait()
 
     def _write(self, staged: dict | None, copied: torch.cuda.Event | None, step: int, uri: str, rng: bytes,
                rank: int, start: float) -> tuple[float, float]:
-        """Writes this rank's part of checkpoint `uri` (`staged`, or the save's copy on the device, which is first
-        copied into host memory here, once `copied` says it is made); returns (seconds since the save was staged at
-        `start`, a wait for the writer process's start included; of them checksumming)."""
+        """Write this rank's part of checkpoint `uri`: `staged`, or the device copy, first copied into host memory
+        once `copied` says it is made. Returns (seconds since `start`, of them checksumming)."""
         import torch.distributed.checkpoint as dcp
 
         if staged is None:
@@ -178,9 +168,8 @@ class Checkpointer:
             finally:
                 self.device_copy = None
                 self.device_copy_released.set()
-        # The writer process, even for the last save, after which no step would suffer a writer thread's hold on
-        # the interpreter: the evaluations and the export would (the final held-out pass of the 1.5B took 21.8 s
-        # beside a writer thread, 3.1 s beside the process).
+        # The process even for the last save: the evaluations and the export after it would suffer a writer
+        # thread's hold on the interpreter.
         if self.writer["writer"] == "process":  # DCP's writer process, started by `prepare`
             write_in_process(staged, _writer(uri), self.group)
         else:
@@ -197,9 +186,8 @@ class Checkpointer:
         return self.pending is None or self.pending[2].done()
 
     def finish(self) -> dict | None:
-        """Completes the save in flight, if any (waiting for its writes); returns `{step, uri, write_s,
-        checksum_s, staging}` (this rank's seconds writing, checksums included, and checksumming; where its
-        saves stage, `choose_staging`)."""
+        """Complete the save in flight, if any (waiting for its writes); returns `{step, uri, write_s,
+        checksum_s, staging}` (this rank's seconds writing, checksums included, and checksumming)."""
         if self.pending is None:
             return None
         step, uri, future = self.pending
@@ -221,10 +209,9 @@ class Checkpointer:
                 "staging": {**self.staging, **self.stager.timings}}
 
     def abandon(self) -> None:
-        """On a failed attempt (any rank, not collective): waits for this rank's write in flight, if any, then
-        removes that save's directory, which will never be complete. A full disk often fails the loop's next
-        write (its metrics) before the save's own error is collected (drills.sh disk-full); the partial save
-        would keep the space that the run record needs to say the run failed."""
+        """On a failed attempt (any rank, not collective): wait for this rank's write in flight, then remove that
+        never-complete save, whose space the run record needs to say the run failed (a full disk often fails
+        the loop's next write before the save's own error is collected)."""
         if self.pending is None:
             return
         _, uri, future = self.pending
@@ -234,14 +221,13 @@ class Checkpointer:
         _remove_partial(uri)
 
     def close(self) -> None:
-        """Waits for the write in flight, then ends the writer process, if one was started."""
+        """Wait for the write in flight, then end the writer process, if any."""
         from torch.distributed.checkpoint import _async_process_executor as process_executor
 
         self.executor.shutdown(wait=True)
         if self.stager is not None:
             self.stager.release()
-        # DCP keeps its writer process for the life of the interpreter; dropping it ends it (`__del__`), so a
-        # later run in this interpreter starts a writer of its own, for its own process group.
+        # DCP keeps its writer for the interpreter's life; dropping it ends it, so a later run here starts its own.
         process_executor._CHECKPOINT_PROCESS = None
 
 
@@ -261,8 +247,7 @@ class _AlreadyStaged:
 
 
 def write_in_process(staged: dict, storage_writer, group: dist.ProcessGroup | None = None) -> None:
-    """Writes `staged` (already in host memory: `HostStager`, shared for this) with DCP's writer process, which reads
-    it from shared memory; returns once it is written."""
+    """Write `staged` (in shared host memory: `HostStager`) with DCP's writer process; returns once written."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -274,12 +259,10 @@ SHARED_MEMORY = "/dev/shm"
 
 
 def first_save_layout(model: CausalLMWithLoss) -> dict[tuple, tuple[torch.Size, torch.dtype]]:
-    """What a save stages (`tensor_layout` of the model's and the optimizer's state dicts), known before the first
-    step: the model's state dict, and per parameter the state AdamW keeps once it has stepped (`step`, and
-    `exp_avg` and `exp_avg_sq` shaped as the parameter's local shard). The optimizer's own state dict cannot be
-    read before then: DCP's `get_state_dict` would initialise it with a zero-gradient step, one step early for
-    Adam's bias correction. A tensor missing here is allocated when first staged; tests/test_checkpoint.py holds
-    the prediction equal to what is staged after a step."""
+    """What a save stages (`tensor_layout`), known before the first step: the model's state dict, and per parameter
+    AdamW's state once stepped (`step`, `exp_avg`, `exp_avg_sq` shaped as the local shard). The optimizer's own
+    state dict cannot be read yet: `get_state_dict` would initialise it with a zero-gradient step, one step early
+    for Adam's bias correction. A tensor missing here is allocated when first staged (tests/test_checkpoint.py)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -296,12 +279,11 @@ def first_save_layout(model: CausalLMWithLoss) -> dict[tuple, tuple[torch.Size, 
 
 
 def choose_writer(setting: str, layout: dict, group: dist.ProcessGroup) -> dict:
-    """`{"writer", "reason", ...}` for `checkpoint.async_writer` = `setting` (collective over `group`).
+    """`{"writer", "reason", ...}` for `checkpoint.async_writer` = `setting` (collective over `group`: one choice).
 
-    The writer process reads the staged state from `/dev/shm`, so every node needs room there for its workers'
-    staged shares together (a full `/dev/shm` is not an error but a SIGBUS when the memory is touched), and
-    a file descriptor per tensor. `process` without that room raises `CheckpointError` naming the numbers;
-    `auto` then takes the writer thread."""
+    The writer process reads the staged state from `/dev/shm`, so each node needs room there for its workers'
+    shares together (a full `/dev/shm` is no error but a SIGBUS when touched) and a file descriptor per tensor.
+    `process` without that room raises `CheckpointError` naming the numbers; `auto` takes the thread."""
     import resource
     import socket
 
@@ -347,8 +329,7 @@ def _writer(uri: str):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(uri)
-    # Several files per rank, written in parallel: one stream does not fill a fast disk. On a GPU machine's NVMe
-    # disk (bench/dcp_write.py, 8.4 GB fsynced) 4 threads wrote 1.49 GB/s, 8 1.71, 16 1.73.
+    # Several files per rank in parallel: one stream does not fill a fast disk (8: docs/checkpoints.md).
     return FileSystemWriter(storage.local_path(uri), thread_count=8)
 
 
@@ -366,15 +347,13 @@ def _torch_bytes(obj) -> bytes:
 
 
 def _failed_save(uri: str, error: BaseException) -> CheckpointError:
-    """The error of a save that failed (a full disk, read-only or lost storage), naming the checkpoint and each
-    rank's cause, once what was written is removed (by each rank that sees the failure)."""
+    """The error of a failed save, naming the checkpoint and each rank's cause, once its partial write is removed."""
     return CheckpointError(f"checkpoint {uri}: save failed ({failure_causes(error)}){_remove_partial(uri)}"
                            f"{_free_space(uri)}")
 
 
 def _remove_partial(uri: str) -> str:
-    """Removes a save that will never be complete: a partial checkpoint neither looks like one nor keeps the space
-    the run record needs to say the run failed. Returns what happened, as the end of an error message."""
+    """Remove a save that will never be complete (see `abandon`); returns what happened, to end an error message."""
     try:
         storage.remove(uri)
         return "; the partial checkpoint was removed"
@@ -383,8 +362,8 @@ def _remove_partial(uri: str) -> str:
 
 
 def _free_space(uri: str) -> str:
-    """How much room local storage had when a save failed: a full disk often surfaces from the writer as another
-    error (`RuntimeError: [enforce fail at inline_container.cc] unexpected pos`), its OSError lost on the way."""
+    """Local storage's free room at a failed save: a full disk often surfaces as another error
+    (`[enforce fail at inline_container.cc] unexpected pos`), its OSError lost."""
     if storage.is_remote(uri):
         return ""
     path = storage.local_path(uri)
