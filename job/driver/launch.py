@@ -1,12 +1,8 @@
 """The driver: resolve the run, prepare what every worker shares, and start the workers.
 
-Two launchers run the same `train.train_loop`:
-* Ray Train (default): a `TorchTrainer` on the Ray cluster at `RAY_ADDRESS` (inside a RayJob), or on an
-  embedded single-node Ray started here when `RAY_ADDRESS` is unset (laptops, CI).
-* torchrun: `torchrun --nproc-per-node N -m job --config run.yaml` runs the loop in each torchrun process,
-  for benchmarks and debugging without Ray.
-The loop never asks which one runs it: it calls the `Launcher` built here (device and process group, progress bar,
-final report).
+Two launchers run the same `train.train_loop`: Ray Train (default; the cluster at `RAY_ADDRESS`, else an embedded
+single-node Ray), or torchrun (`torchrun --nproc-per-node N -m job --config run.yaml`, for benchmarks and debugging
+without Ray). The loop never asks which: it calls the `Launcher` built here.
 """
 
 from __future__ import annotations
@@ -31,19 +27,18 @@ from ..rules import is_hub_source
 from ..worker.contract import Launcher, LoopConfig
 from . import watch
 
-# The training loop (`train`: the model, FSDP2, the compiler) is imported where a worker runs it, not here: the
-# driver only launches it, and those imports took ~5 of its ~10 s on 2 cores.
+# The training loop (the model, FSDP2, the compiler) is imported where a worker runs it: the driver only launches
+# it, and those imports would take about half of its start.
 
 
 class ClusterLost(RuntimeError):
-    """The driver lost Ray Train's controller (its node or the whole Ray cluster went away): `infrastructure`/
-    `cluster_lost` (the Ray error it came from is its cause)."""
+    """The driver lost Ray Train's controller (its node or the Ray cluster gone): `infrastructure`/`cluster_lost`,
+    the Ray error its cause."""
 
 
 def resolve_paths(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
-    """The config with local paths (`file://` URIs among them) made absolute OS paths, as the workers do not share
-    the driver's working directory. Model and tokenizer paths change only where they exist locally (otherwise
-    they are hub ids)."""
+    """The config with local paths (`file://` too) made absolute, as the workers do not share the driver's working
+    directory; model and tokenizer paths only where they exist locally (else they are hub ids)."""
     cfg = copy.deepcopy(cfg)
 
     def local(path: str | None) -> bool:
@@ -76,17 +71,15 @@ def run_directory(cfg: config_lib.RunConfig) -> str:
 
 
 def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
-    """What the config file alone cannot show, checked in the driver before any data is read or any worker
-    started: the run directory can be created and written, and the model (its config, no weights) takes the
-    settings. Raises one `ConfigError` listing every problem, each naming its field."""
+    """What the config alone cannot show, checked before any data is read or worker started: the run directory
+    is writable and the model's config takes the settings. One `ConfigError` lists every problem by field."""
     errors = _storage_problems(run_dir) + _model_problems(cfg)
     if errors:
         raise config_lib.ConfigError(*errors)
 
 
 def _storage_problems(run_dir: str) -> list[str]:
-    """Creates the run directory and writes a probe file in it: a storage path that is a file, read-only, not
-    writable or full fails here, naming the path, instead of in the middle of the first save."""
+    """Create the run directory and write a probe file: bad storage fails here, named, not in the first save."""
     probe = storage.join(run_dir, f".write-probe-{os.getpid()}")  # one per process: torchrun's all check at once
     try:
         fs, path = storage.filesystem(run_dir)
@@ -99,9 +92,8 @@ def _storage_problems(run_dir: str) -> list[str]:
 
 
 def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
-    """Checks the model's config (`model.preset` or `model.path`, with `model.overrides`) against the settings:
-    attention heads that divide the hidden size and key/value heads that divide the heads (a model that cannot
-    run), and `train.seq_len` within the model's positions."""
+    """Check the model's config (preset or path, with overrides): heads divide the hidden size, key/value heads
+    divide the heads, and `train.seq_len` is within its positions."""
     try:
         arch = config_fields(cfg.model)
     except Exception as e:  # no such directory or hub id, no config.json, not JSON
@@ -120,8 +112,8 @@ def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
 
 
 def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
-    """What to tell the user when the run is already complete (its newest checkpoint is at `train.max_steps`
-    and, when `checkpoint.export`, its export was accepted), so that a re-run starts nothing; else None."""
+    """What to tell the user when the run is already complete (newest checkpoint at `train.max_steps`, its export
+    accepted if asked for), so that a re-run starts nothing; else None."""
     latest = checkpoints.latest_complete(run_dir)
     step = int(latest.rsplit(checkpoints.PREFIX, 1)[-1]) if latest else 0
     if step < cfg.train.max_steps or (cfg.checkpoint.export and not exports.export_is_valid(run_dir, step)):
@@ -135,21 +127,18 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
 
 def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = None,
             startup: dict[str, float] | None = None) -> LoopConfig:
-    """Work done once, before the workers start: save the resolved config (`run_record.config_file`: beside a
-    finished run's own) and train a tokenizer if asked.
+    """Work done once before the workers start: check every data source, save the resolved config
+    (`run_record.config_file`), start MLflow, train a tokenizer if asked.
 
-    Returns what every worker's loop gets, with `started_at` (when the driver started; now if not given) and
-    `startup` (when each of the driver's startup steps ended, `prepare` added here). Raises `CheckpointError`
-    first when `checkpoint.resume` forbids starting (`never` on a run name that has checkpoints, a missing
-    start point).
+    Returns every worker's `LoopConfig`, with `started_at` (default now) and `startup` (when each of the driver's
+    startup steps ended). Raises `CheckpointError` first when `checkpoint.resume` forbids starting.
     """
     started_at = time.time() if started_at is None else started_at
     checkpoints.check_before_start(cfg, run_dir)
     if checkpoints.retire_ray_snapshot(run_dir):
         print(f"removed {checkpoints.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
               "directory itself", flush=True)
-    # Read and check every data source here, before any worker starts: a missing path, bad row or unreachable
-    # hub id fails now with the source named. The training text also trains the tokenizer, if one is asked for.
+    # Every data source read here: a missing path, bad row or unreachable hub id fails now, naming the source.
     corpus = sources.tokenizer_corpus(cfg.data, cfg.train.seed) if cfg.data.format != "synthetic" else []
     fs, path = storage.filesystem(run_dir)
     fs.makedirs(path, exist_ok=True)
@@ -168,8 +157,8 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
 
 
 def connect_ray(cfg: config_lib.RunConfig) -> None:
-    """Connects to the Ray cluster at `RAY_ADDRESS` (inside a RayJob), or starts an embedded local Ray, and
-    refuses (`ConfigError`) a worker group the cluster can never place: Ray would wait for it forever."""
+    """Connect to the Ray cluster at `RAY_ADDRESS`, or start an embedded one, and refuse (`ConfigError`) a worker
+    group the cluster can never place: Ray would wait for it forever."""
     import ray
 
     # Workers print their metric lines themselves; Ray's print patching would print each line twice.
@@ -197,8 +186,8 @@ _connected: list[bool] = []  # whether `connect_ray` connected this process (not
 
 
 def disconnect_ray() -> None:
-    """Ends the connection to Ray that `connect_ray` made (an embedded Ray stops with it), and with it Ray's
-    forwarding of the workers' output to this process: what the driver prints afterwards comes last."""
+    """End `connect_ray`'s connection (an embedded Ray stops with it) and its forwarding of the workers' output,
+    so that what the driver prints afterwards comes last."""
     import ray
 
     if _connected and ray.is_initialized():
@@ -212,9 +201,8 @@ def worker_resources(cfg: config_lib.RunConfig) -> dict[str, float]:
 
 
 def worker_capacity(need: dict[str, float], nodes: list[dict], groups: list[tuple[dict, int]] | None) -> int | None:
-    """How many workers needing `need` each the cluster can ever hold: whole workers per node, summed over the
-    live `nodes` (resource dicts) or, with an autoscaler, its node `groups` (resources, max count) at their
-    maximum, whichever is larger; None when a group has no maximum."""
+    """How many workers of `need` the cluster can ever hold: whole workers per node, over the live `nodes` or the
+    autoscaler's `groups` (resources, max count) at their maximum, whichever is larger; None for no maximum."""
     def per_node(resources: dict) -> int:
         return int(min(resources.get(k, 0.0) // v for k, v in need.items()))
 
@@ -227,8 +215,7 @@ def worker_capacity(need: dict[str, float], nodes: list[dict], groups: list[tupl
 
 
 def _autoscaler_groups() -> list[tuple[dict, int]] | None:
-    """(resources, max count) of each node group the cluster's autoscaler may start (KubeRay publishes them);
-    None without an autoscaler."""
+    """(resources, max count) of each node group the autoscaler may start; None without one."""
     try:
         from ray._private.state import state
 
@@ -241,13 +228,11 @@ def _autoscaler_groups() -> list[tuple[dict, int]] | None:
 
 
 class RayLauncher(Launcher):
-    """A Ray Train worker: Ray Train has created the process group and chosen the device; the driver draws the
-    progress bar that rank 0 reports."""
+    """A Ray Train worker: Ray Train made the process group and chose the device; the driver draws rank 0's bar."""
 
     def __init__(self, driver_tty: bool):
         self.driver_tty = driver_tty
-        """Whether the driver's stderr, where it draws the workers' progress bar, is a terminal (the worker's
-        own stderr is a log file)."""
+        """Whether the driver's stderr, where the bar is drawn, is a terminal (the worker's is a log file)."""
 
     def setup_device(self, use_gpu: bool) -> torch.device:
         import ray.train.torch
@@ -263,9 +248,8 @@ class RayLauncher(Launcher):
         ray.train.report(metrics)
 
     def preempted(self) -> bool:
-        """Also Ray Train's own signal: its controller's preemption watcher polls Ray for draining nodes (a
-        `ray start` that got SIGTERM drains its node with reason PREEMPTION) and marks every worker. Read here from
-        the worker's train context, not with `ray.train.get_preemption_info()`, a barrier across the workers."""
+        """Also Ray Train's own signal: its controller marks every worker of a draining node (a `ray start` that got
+        SIGTERM drains with reason PREEMPTION). Read from the train context: `get_preemption_info()` is a barrier."""
         try:
             from ray.train.v2._internal.execution.context import get_train_context
 
@@ -276,8 +260,7 @@ class RayLauncher(Launcher):
 
 
 class TorchrunLauncher(Launcher):
-    """A torchrun process: the process group is created here, from torchrun's environment; rank 0 draws its own
-    progress bar; there is no one to report to."""
+    """A torchrun process: the process group is created here; rank 0 draws its own bar; no one to report to."""
 
     def setup_device(self, use_gpu: bool) -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -292,9 +275,8 @@ class TorchrunLauncher(Launcher):
 
 
 def ray_loop_config(loop_config: LoopConfig) -> dict:
-    """Ray Train's `train_loop_config`, made in the driver: a plain dict of `loop_config`'s fields (the run config
-    as its dict), with whether the driver's stderr is a terminal (`RayLauncher.driver_tty`). The one conversion,
-    with `ray_worker_args`, which reads it back in each worker."""
+    """Ray Train's `train_loop_config`: `loop_config`'s fields as a plain dict, plus `driver_tty`; read back in each
+    worker by `ray_worker_args`."""
     fields = {f.name: getattr(loop_config, f.name) for f in dataclasses.fields(loop_config)}
     return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": is_terminal(sys.stderr)}
 
@@ -356,8 +338,7 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
     except WorkerGroupError as e:
         messages = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
         lost = any(isinstance(exc, RayActorError) for exc in e.worker_failures.values())
-        # A record left running (rank 0 lost, or a fault its except branch never saw) is closed here, with the
-        # lowest failed rank's error.
+        # A record left running (rank 0 lost, a fault its except never saw): the lowest failed rank's error.
         first = min(e.worker_failures) if e.worker_failures else None
         run_record.close_if_running(loop_config.run_dir, "failed", e if first is None else e.worker_failures[first],
                                   rank=first, attempt=this_attempt)
@@ -383,16 +364,14 @@ def recorded_ending(run_dir: str) -> str:
 
 
 def attempt(cfg: config_lib.RunConfig, started_at: float) -> dict:
-    """What the driver needs to record an attempt that failed before rank 0 opened its record
-    (`run_record.close_if_running`'s `attempt`): when it started, and the record's config."""
+    """`run_record.close_if_running`'s `attempt`, for one that failed before rank 0 opened its record."""
     return {"started_at": started_at, "config": config_lib.to_dict(cfg), "config_text": config_lib.to_yaml(cfg),
             "run_name": cfg.name, "seed": cfg.train.seed}
 
 
 def abort(trainer, timeout_s: float = 15.0) -> None:
-    """Stops the run's workers through Ray Train's controller (what Ray Train's own Ctrl-C handler does): it
-    shuts the worker group down and exits. Without the controller's handle (not started yet, or another Ray)
-    the workers still end with the driver, which owns the controller."""
+    """Stop the workers through Ray Train's controller, as its Ctrl-C handler does. Without its handle the workers
+    still end with the driver, which owns the controller."""
     import ray
 
     controller = getattr(trainer, "controller", None)
@@ -405,18 +384,14 @@ def abort(trainer, timeout_s: float = 15.0) -> None:
 
 
 def trainer_class(base: type) -> type:
-    """`base` (Ray's `TorchTrainer`) without Ray Train's placement-group cleaner, keeping its controller's handle
-    (`controller`, for `abort`) instead of installing Ray Train's SIGINT handler: `watch.driver_watch` handles
-    SIGINT and SIGTERM alike, and Ray's would end the driver with status 0 and the record left running.
+    """`base` (`TorchTrainer`) keeping its controller's handle (for `abort`) instead of installing Ray Train's SIGINT
+    handler, which would end the driver with status 0 and the record left running (`watch.driver_watch` handles
+    SIGINT and SIGTERM alike), and with a worker callback that catches SIGTERM for a preemption save.
 
-    The cleaner is a detached actor that polls the state API for the controller actor and removes the worker
-    group's placement group once the controller looks dead. `ray.train.v2._internal.state.util.is_actor_alive`
-    counts a missing answer as dead (`actor_state and ...`), and a state API starved of CPU answers with
-    nothing within its timeout: on 2 busy cores the cleaner removed the live run's placement group and the run
-    failed (the same flaw is pointed out in ray-project/ray#65447). The cleaner only matters when the
-    controller dies while its driver lives on; here the driver is this process, and when it ends, Ray removes
-    the placement groups its job created. It also adds a worker callback that catches each worker's SIGTERM for
-    a preemption save (`signals.catch_preemption`). Kept as is if Ray's internals differ (then the cleaner stays)."""
+    Without Ray Train's placement-group cleaner: a detached actor that counts a state API starved of CPU as the
+    controller's death and removed a live run's placement group (docs/checkpoints.md; ray-project/ray#65447). It
+    matters only when the controller dies while its driver lives on; here the driver is this process, and Ray
+    removes its job's placement groups when it ends. Kept as is if Ray's internals differ."""
     try:
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
         from ray.train.v2._internal.execution.callback import WorkerCallback
@@ -445,7 +420,7 @@ def trainer_class(base: type) -> type:
 
 
 def worker_failure(exc: BaseException) -> str:
-    """One line for a worker's failure: a worker whose process died (OOM, node loss, SIGKILL) is called lost."""
+    """One line for a worker's failure; one whose process died is called lost."""
     from ray.exceptions import RayActorError
 
     if isinstance(exc, RayActorError):  # ActorDiedError included

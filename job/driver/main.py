@@ -1,7 +1,7 @@
-"""`python -m job [run]`: check the config, the optional packages it needs, the storage, the model's settings and
-(under Ray) whether the cluster can place the workers, printing every problem found (one line each, naming the
-field) and exiting 2 before any worker starts; then hold the run's lease, prepare the run directory, train under
-Ray Train (or under torchrun when started by it), and end with the verdict of a failed run or where the run is."""
+"""`python -m job [run]`: check the config, its optional packages, the storage, the model's settings and whether
+Ray can place the workers, printing every problem (one line each, naming the field) and exiting 2 before any worker
+starts; then hold the run's lease, prepare the run directory, train under Ray Train or torchrun, and end with the
+verdict of a failed run or where the run is."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from . import launch, watch
 
 
 def run(args: argparse.Namespace, started_at: float, imported_at: float) -> int:
-    """`python -m job [run]` with its parsed arguments (`--config`, `--set`); `started_at` is when the driver
-    started, `imported_at` when its imports ended (the first steps of the run's time accounting)."""
+    """`python -m job [run]` with its parsed `--config`, `--set`; `started_at`, `imported_at`: when the driver
+    started and its imports ended (the first steps of the run's time accounting)."""
     with contextlib.ExitStack() as held:  # the run lease, from the storage check to the last line
         return _run(args, started_at, imported_at, held)
 
@@ -86,10 +86,9 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
 
 
 def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
-    """Ends Ray's output (its log forwarding stops with the connection), then prints the verdict
-    (`failures.verdict`) as the driver's last lines, on stderr: what a person reads first in a log. With the Ray
-    cluster gone the connection is left as it is: Ray ends the process once it cannot reach its cluster, and
-    disconnecting only waits for that."""
+    """End Ray's output (its forwarding stops with the connection), then print `failures.verdict` as the driver's
+    last lines, on stderr: what a person reads first. With the cluster gone the connection is left: Ray ends the
+    process once it cannot reach its cluster, and disconnecting only waits for that."""
     try:
         record = run_record.load_latest(run_dir)
     except (OSError, ValueError):
@@ -108,12 +107,9 @@ def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
 
 
 def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> None:
-    """A run refused once the driver holds its lease (a bad data row, a refused resume, a worker group the
-    cluster cannot place) gets a `failed` record of this attempt, written by the driver (rank 0 of torchrun's
-    processes): beside the run's record when that holds finished work, listed in its `later_attempts`
-    (`run_record.start_record`), so the run stays what it was. Refused before that (the config, the packages, the
-    storage itself, the model's settings, the lease), there is nowhere to write one: the exit status and the
-    message are the whole record."""
+    """A run refused once the driver holds its lease (a bad data row, a refused resume, an unplaceable worker group)
+    gets a `failed` record of this attempt (beside a record with finished work, which stays what it was). Refused
+    before that, there is nowhere to write one: the exit status and the message are the whole record."""
     if run_dir is None or os.environ.get("RANK", "0") != "0":
         return
     try:

@@ -1,7 +1,6 @@
-"""The driver's watch over its run: the run lease held from the storage check to the last line (`hold`), renewed by
-the driver's heartbeat (`Heartbeat`), and SIGINT/SIGTERM turned into `Cancelled` while it waits on the workers
-(`driver_watch`): both close a record left running, so they sit above the run record (`records.run_record`) rather than
-in the modules they use."""
+"""The driver's watch over its run: the lease held from the storage check to the last line (`hold`), renewed by the
+heartbeat (`Heartbeat`), and SIGINT/SIGTERM turned into `Cancelled` while it waits on the workers (`driver_watch`).
+Both close a record left running, so they sit above `records.run_record`, not in the modules they use."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ _received: list[int] = []  # the stop signals this process received (driver_watc
 
 @contextlib.contextmanager
 def hold(run_dir: str):
-    """The driver's hold on the run: takes the lease (`LeaseHeld` if another driver has it), closes a record its
-    dead holder left running (`run_record.abandon_stale`, before this driver's heartbeat replaces the dead one's),
-    renews it with the heartbeat while the body runs, and releases it after the final heartbeat."""
+    """Take the lease (`LeaseHeld` if another driver has it), close a record its dead holder left running (before
+    this driver's heartbeat replaces the dead one's), renew it while the body runs, release it after the final beat."""
     lease = lease_lib.acquire(run_dir)
     if lease["took_over"]:
         print(f"took over the stale lease of {lease_lib.describe(lease['took_over'])}: "
@@ -42,8 +40,8 @@ def hold(run_dir: str):
 
 
 def as_cancelled(exc: KeyboardInterrupt) -> Cancelled:
-    """`exc` as the `Cancelled` of the signal received: Ray's wait re-raises the handler's exception as a plain
-    KeyboardInterrupt (`check_status`), which loses the signal; a bare KeyboardInterrupt is a SIGINT."""
+    """`exc` as the `Cancelled` of the signal received: Ray's wait re-raises it as a plain KeyboardInterrupt, losing
+    the signal; a bare one is a SIGINT."""
     if isinstance(exc, Cancelled):
         return exc
     return Cancelled(_received[0] if _received else signal.SIGINT)
@@ -51,11 +49,10 @@ def as_cancelled(exc: KeyboardInterrupt) -> Cancelled:
 
 @contextlib.contextmanager
 def driver_watch(run_dir: str):
-    """The driver's watch over a run while it waits on the workers (its heartbeat runs already, renewing the run
-    lease: `hold`): SIGINT/SIGTERM raising `Cancelled` (Ray's own handlers, which exit without closing the
-    record, are put back afterwards). Whatever ends the wait with an exception closes a still-`running` record (`run_record.close_if_running`): `cancelled`
-    for a KeyboardInterrupt (which then propagates as `Cancelled`), else `failed`. A second signal ends the driver at
-    once (the default action)."""
+    """While the driver waits on the workers, SIGINT/SIGTERM raise `Cancelled` (Ray's handlers, which exit without
+    closing the record, are put back after). An exception ending the wait closes a still-`running` record:
+    `cancelled` for a KeyboardInterrupt (propagated as `Cancelled`), else `failed`. A second signal ends the driver
+    at once."""
 
     def stop(signum, frame):
         _received.append(signum)
@@ -80,8 +77,7 @@ def driver_watch(run_dir: str):
 
 
 class Heartbeat:
-    """A daemon thread rewriting `<run_dir>/heartbeat.json` every `every_s` until `stop`, renewing the run lease
-    `lease` (its id) with each beat."""
+    """A daemon thread rewriting `heartbeat.json` every `every_s` until `stop`, renewing lease id `lease`."""
 
     def __init__(self, run_dir: str, every_s: float = lease_lib.HEARTBEAT_EVERY_S, timeout_s: float = lease_lib.HEARTBEAT_TIMEOUT_S,
                  lease: str | None = None):
@@ -102,7 +98,7 @@ class Heartbeat:
                 print(f"heartbeat: cannot write {lease_lib.HEARTBEAT_FILE}: {type(e).__name__}: {e}", flush=True)
 
     def stop(self) -> None:
-        """Ends the beats with a final one: the file stays, saying when the driver's watch ended."""
+        """End the beats with a final one, which stays, saying when the watch ended."""
         self._stop.set()
         self._thread.join(timeout=5)
         try:
