@@ -1,20 +1,11 @@
-"""Data in the workers: examples (`common/sources.py`) → token stream with a loss mask → blocks → per-rank
-micro-batches.
+"""Data in the workers: examples (`common/sources.py`) → token stream with a loss mask (per format: `tokenize_*`)
+→ blocks → per-rank micro-batches; `build` / `build_once` run it end to end.
 
-Each format's example becomes token ids with a per-token loss mask:
-* `text`: every token (and the EOS after the document) is a target;
-* `prompt_completion`: only completion tokens and EOS are targets;
-* `chat`: `messages` rendered with the chat template; only the assistant turns' tokens are targets.
-
-All examples end in one `TokenStream` (documents concatenated, each ending with EOS). Packing cuts it into
-blocks of `seq_len + 1` tokens with stride `seq_len`, so every token is an input exactly once, and
-`position_ids` restart at each document so attention (SDPA/flash through transformers' packed-sequence
-detection) does not cross documents. Unpacked (`data.packing: false`), each document is its own padded row.
-
-Batches are drawn from a seeded permutation of blocks, sharded by rank (`rank::world_size`), so a run is
-reproducible and resumable from a step number alone: `micro_batches(..., start=k)` yields exactly what an
-uninterrupted run would have seen from micro-batch k on. `build` / `build_once` run it end to end (cached on the
-storage).
+Packing cuts the stream into blocks of `seq_len + 1` tokens with stride `seq_len`, so every token is an input
+exactly once, and `position_ids` restart at each document so attention (SDPA/flash through transformers'
+packed-sequence detection) does not cross documents. Unpacked, each document is its own padded row. Batches come
+from a seeded permutation of blocks sharded by rank, so a run is reproducible and resumable from a step number
+alone: `micro_batches(..., start=k)` yields what an uninterrupted run would have from micro-batch k on.
 """
 
 from __future__ import annotations
@@ -69,8 +60,7 @@ class Blocks:
 # --------------------------------------------------------------------------------------------------------------------
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> dict:
-    """Name and sha256 of the tokenizer's full JSON (vocabulary, merges, normalisation, specials: the run
-    record's `tokenizer_sha256`), and of the chat template in use, if any."""
+    """Name and sha256 of the tokenizer's full JSON (the record's `tokenizer_sha256`), and of the chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(_sorted_vocabulary(tokenizer))
     out = {"name": tokenizer.name_or_path or f"trained byte-level BPE ({len(tokenizer)} tokens)",
@@ -82,8 +72,8 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, chat_template: str
 
 
 def vocabulary_sha256(tokenizer: PreTrainedTokenizerBase | None) -> str | None:
-    """sha256 of the vocabulary and the EOS/padding ids: what a tokenizer must keep through save and reload (its
-    JSON serialisation itself may change, so the export's check does not use `tokenizer_fingerprint`)."""
+    """sha256 of the vocabulary and EOS/padding ids: what a tokenizer keeps through save and reload (its JSON may
+    change, so the export's check does not use `tokenizer_fingerprint`)."""
     if tokenizer is None:
         return None
     return _sha256(json.dumps([_sorted_vocabulary(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id]))
@@ -104,8 +94,7 @@ def _eos(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id that fills padding (never a target, so any id the model embeds will do): the tokenizer's pad
-    token, else its EOS, else 0."""
+    """The padding id (never a target, so any will do): pad token, else EOS, else 0."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
@@ -117,8 +106,7 @@ def tokenize_text(documents: list[str], tokenizer: PreTrainedTokenizerBase) -> T
 
 
 def tokenize_prompt_completion(examples: list[dict], tokenizer: PreTrainedTokenizerBase) -> TokenStream:
-    """Prompt and completion tokenized separately (so the boundary is exact, as at generation time); only the
-    completion tokens and the EOS after them are targets."""
+    """Prompt and completion tokenized apart (the boundary exact, as at generation); targets: completion and EOS."""
     eos = _eos(tokenizer)
     prompts = tokenizer([x["prompt"] for x in examples], add_special_tokens=False)["input_ids"]
     completions = tokenizer([x["completion"] for x in examples], add_special_tokens=False)["input_ids"]
@@ -134,12 +122,9 @@ def render_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, templa
 
 
 def chat_ids_and_mask(messages: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and the mask of assistant-turn tokens.
-
-    Assistant turn i spans the characters between the rendering of messages[:i] with the generation prompt
-    and the rendering of messages[:i+1] (the turn's content and its end-of-turn markup); a token is a target
-    when it starts inside such a span. Needs a template whose renderings of prefixes are prefixes.
-    """
+    """Token ids of the rendered conversation and the mask of assistant-turn tokens: turn i spans the characters
+    from messages[:i] rendered with the generation prompt to messages[:i+1] rendered (content and end-of-turn
+    markup); a token starting inside is a target. Needs a template that renders prefixes as prefixes."""
     full = render_chat(messages, tokenizer, template)
     spans = []
     for i, m in enumerate(messages):
@@ -187,13 +172,12 @@ def _concat(docs: list[tuple[list[int], list[bool] | None]]) -> TokenStream:
 
 
 def pack(stream: TokenStream, seq_len: int, pad_id: int = 0) -> Blocks:
-    """Cuts the stream into blocks of `seq_len` inputs and their next-token labels.
+    """Cut the stream into blocks of `seq_len` inputs and their next-token labels.
 
-    Block k covers stream[k*T : k*T + T + 1]: inputs are its first T tokens and labels its last T, so every
-    token but the last is an input exactly once and every token after the first is a label exactly once. A
-    label is IGNORE_INDEX where the target token is not in the loss mask or starts a new document (nothing
-    before it predicts it). Positions restart at each document start and at each block start. The last block
-    is padded with `pad_id` (no loss, positions continuing) rather than dropped.
+    Block k covers stream[k*T : k*T + T + 1]: inputs its first T tokens, labels its last T, so each token is an
+    input once and a label once. A label is IGNORE_INDEX outside the loss mask or at a document start (nothing
+    before predicts it). Positions restart at each document and block start. The last block is padded with
+    `pad_id` (no loss), not dropped.
     """
     n = len(stream.tokens)
     if n < 2:
@@ -215,8 +199,8 @@ def pack(stream: TokenStream, seq_len: int, pad_id: int = 0) -> Blocks:
 
 
 def pad_documents(stream: TokenStream, seq_len: int, pad_id: int = 0) -> tuple[Blocks, int]:
-    """Unpacked: one row per document, truncated to `seq_len + 1` tokens and right-padded with `pad_id`
-    (padding carries no loss; positions run on through it). Returns the rows and how many were truncated."""
+    """Unpacked: one row per document, truncated to `seq_len + 1` tokens and right-padded (no loss); returns the
+    rows and how many were truncated."""
     starts = torch.nonzero(stream.doc_start).flatten().tolist() + [len(stream.tokens)]
     rows, truncated = [], 0
     for a, b in zip(starts, starts[1:]):
@@ -240,11 +224,8 @@ def pad_documents(stream: TokenStream, seq_len: int, pad_id: int = 0) -> tuple[B
 def micro_batches(
     blocks: Blocks, batch_size: int, rank: int, world_size: int, seed: int, start: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless micro-batches for one rank, starting at this rank's `start`-th micro-batch.
-
-    Each epoch is a fresh seeded permutation of all blocks; rank r takes positions r, r+W, r+2W, … so ranks
-    never share a block, and every rank has the same number of batches per epoch (the remainder is dropped).
-    """
+    """Endless micro-batches for one rank from its `start`-th. Each epoch is a seeded permutation of all blocks;
+    rank r takes positions r, r+W, …, so ranks share no block and have as many batches (the remainder dropped)."""
     per_rank = len(blocks) // world_size // batch_size
     if per_rank == 0:
         raise DataError(
@@ -293,15 +274,13 @@ DATA_CACHE = "data_cache"
 
 def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None,
                run_dir: str, on_heldout_rows: Callable[[list[dict]], None] | None = None) -> tuple[Dataset, str]:
-    """`build`, once per run rather than once per worker and attempt: rank 0 builds the dataset and writes it to
-    the run's storage, the other ranks (and every rank of a later attempt) read it back. Collective. Returns the
-    dataset and `"built"` or `"read"`. `on_heldout_rows` is called with the held-out examples as soon as this
-    rank has them: on the rank that builds, before anything is tokenized (work that needs only the rows, such as
-    the task baseline's decoding, then overlaps the tokenizing); on a rank that reads, once read.
+    """`build`, once per run rather than per worker and attempt: rank 0 builds and writes it to the run's storage,
+    the other ranks and later attempts read it. Collective. Returns the dataset and `"built"` or `"read"`.
+    `on_heldout_rows` gets the held-out examples as soon as this rank has them (before tokenizing, so that the
+    task baseline's decoding overlaps it).
 
-    The file's key is the data config, `seq_len`, seed and tokenizer hash: a run keeps training on the data it
-    first read (so a resumed attempt sees exactly the same blocks, even if a source file has changed since);
-    delete `<run>/data_cache/` to re-read the sources.
+    Keyed by the data config, `seq_len`, seed and tokenizer hash: a run keeps training on the data it first read,
+    even if a source changed since; delete `<run>/data_cache/` to re-read the sources.
     """
     if cfg.format == "synthetic":
         return build(cfg, train_cfg, tokenizer), "built"
@@ -340,8 +319,7 @@ def _blocks(saved: dict | None) -> Blocks | None:
 
 def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None,
           on_heldout_rows: Callable[[list[dict]], None] | None = None) -> Dataset:
-    """Reads, tokenizes and packs the configured data (synthetic data has nothing to build); `on_heldout_rows`
-    gets the held-out examples once they are read, before the tokenizing."""
+    """Read, tokenize and pack the configured data; `on_heldout_rows` as in `build_once`."""
     if cfg.format == "synthetic":
         return Dataset(None, None, {"format": "synthetic", "seed": train_cfg.seed})
     train_ex, val_ex, val_info = read_examples(cfg, train_cfg.seed)

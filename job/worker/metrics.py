@@ -1,6 +1,5 @@
-"""Throughput accounting (FLOPs per token, MFU), rank 0's metrics log (stdout JSON lines, metrics.jsonl, TensorBoard
-event files and, when configured, MLflow), the run's time accounting and goodput (`Timeline`), and the one-step profiler (`debug.profile_step`): where the device
-time goes, by kernel category."""
+"""Throughput accounting (FLOPs per token, MFU), rank 0's metrics log (stdout, metrics.jsonl, TensorBoard, MLflow),
+the run's time accounting and goodput (`Timeline`), and the one-step profiler (`debug.profile_step`)."""
 
 from __future__ import annotations
 
@@ -42,12 +41,10 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
 
 
 def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, frozen: int = 0) -> float:
-    """Training FLOPs per token: 6·N for the matmuls of forward (2·N) and backward (4·N), plus attention scores
-    and weighted values, 12·layers·hidden·seq_len (forward 4·L·H·T: QK^T and AV, each 2·H·T per token; ×3 with
-    backward). N counts every parameter once, the tied LM head included (the head is a real matmul), as in the
-    PaLM appendix B formula. Causal masking is not discounted, as is conventional. Of N, the `frozen` parameters
-    (LoRA's base) count 4 each: forward, and the backward's gradient of their input, which the adapters below them
-    need; no gradient of their own."""
+    """Training FLOPs per token (PaLM appendix B): 6·N for the matmuls of forward and backward, plus 12·L·H·T for
+    QK^T and AV (forward 4·L·H·T, ×3 with backward; causal masking not discounted, as is conventional). N counts
+    every parameter once, the tied LM head included (a real matmul). `frozen` parameters (LoRA's base) count 4
+    each: forward, and the gradient of their input, which the adapters below need; none of their own."""
     return 6 * n_params - 2 * frozen + 12 * n_layers * hidden * seq_len
 
 
@@ -58,10 +55,9 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """The numbers of one metrics record, named `<kind>/<field>` (`train/loss`, `eval/eval_loss`,
-    `task_eval/exact_match`, `time/goodput`), a nested map's as `<kind>/<field>/<key>` (`time/phases_s/train`):
-    what TensorBoard and MLflow plot at the record's step. Booleans, lists, text and non-finite values are left
-    out; records without a step (`start`) have none."""
+    """The numbers of one metrics record as `<kind>/<field>[/<key>]` (`train/loss`, `time/phases_s/train`): what
+    TensorBoard and MLflow plot at its step. Booleans, lists, text, non-finite values and step-less records give
+    none."""
     out: dict[str, float] = {}
 
     def add(name: str, value) -> None:
@@ -80,12 +76,11 @@ def scalars(record: dict) -> dict[str, float]:
 
 class TensorBoardLog:
     """Rank 0's TensorBoard event file in `<run_dir>/tensorboard/`, one per attempt, written with tensorboardX's
-    (the Ray image ships it) synchronous record writer: each record is on disk when `log` returns (its
-    `SummaryWriter` queues events to a thread that flushes every two minutes, which a live TensorBoard or a
-    killed attempt would miss). A resumed attempt's file starts with a purge at its first step, so TensorBoard
-    hides what an earlier attempt logged past the resume point, as metrics.jsonl drops it. Object storage gets
-    the file written in a local folder and uploaded whole after each record (event files are small);
-    tensorboardX's own S3 writer knows neither fsspec's endpoint settings nor atomic writes."""
+    synchronous record writer, so each record is on disk when `log` returns (`SummaryWriter` flushes every two
+    minutes, which a live TensorBoard or a killed attempt would miss). A resumed attempt's file starts with a purge
+    at its first step, hiding what an earlier attempt logged past the resume point. On object storage the file is
+    written locally and uploaded whole after each record: tensorboardX's S3 writer knows neither fsspec's endpoint
+    settings nor atomic writes."""
 
     def __init__(self, run_dir: str, purge_step: int):
         from tensorboardX.event_file_writer import EventsWriter
@@ -124,14 +119,11 @@ class TensorBoardLog:
 
 
 class MetricsLogger:
-    """Writes metric records as JSON lines to stdout and to `<run_dir>/metrics.jsonl` (rank 0 only), and their
-    numbers (`scalars`) to its sinks, objects with `log(step, scalars, time)` and `close()`: TensorBoard event files
-    (`TensorBoardLog`, always) and the `sinks` given (`tracking.MlflowMetrics`).
+    """Writes metric records as JSON lines to stdout and `<run_dir>/metrics.jsonl` (rank 0), and their `scalars` to
+    its sinks (`log(step, scalars, time)`, `close()`): `TensorBoardLog` and the `sinks` given.
 
-    The file is rewritten whole (atomically) at each record, so the same code writes local paths and object
-    storage (which cannot append); metric logs are small. Existing lines are kept, so a resumed run continues
-    the file; records of steps past `keep_until_step` (the step the run resumed from, 0 when starting fresh)
-    are dropped, so steps recomputed after a resume appear once.
+    The small file is rewritten whole and atomically at each record, as object storage cannot append. A resumed
+    run continues it, records past `keep_until_step` (the resume step) dropped, so a recomputed step appears once.
     """
 
     def __init__(self, run_dir: str, max_steps: int, progress: str | None = None, keep_until_step: int | None = None,
@@ -175,28 +167,19 @@ class MetricsLogger:
             sink.close()
 
 
-# Kernel (GPU) or operator (CPU) name fragments -> category; first match wins, on lower-cased names.
 PHASES = ("startup", "data", "model", "resume", "warmup", "train", "eval", "checkpoint", "task_eval", "export")
-"""Where a run's wall time goes, in the order a run meets them (`Timeline`). `startup`: from the driver's start to
-the worker's (Ray, scheduling, imports) and the preflight (after a worker-group restart, the earlier attempts'
-whole time too: their recomputed work is lost time); `data`: reading and tokenizing; `model`: building or
-loading, sharding, optimizer; `resume`: loading a checkpoint; `warmup`: the first step's time beyond a typical
-step (compilation, allocator warm-up); `train`: every other training step; `eval`: held-out loss; `checkpoint`:
-the time saves held training up; `task_eval`: generation and scoring; `export`: gathering, writing and the
-fresh-process acceptance check."""
+"""Where a run's wall time goes, in the order a run meets them (`Timeline`; docs/performance.md). `startup` also
+counts, after a worker-group restart, the earlier attempts' whole time: their recomputed work is lost; `warmup` is
+the first step's time beyond a typical step; `checkpoint` the time saves held training up."""
 
 
 class Timeline:
-    """Wall time per phase of one attempt of a run, measured on rank 0, and the goodput: training time / wall.
+    """Wall time per phase of one attempt, on rank 0, and the goodput: training time / wall.
 
-    Each phase is timed with the host clock after a device sync at both ends, so work the GPU still has queued
-    is charged to the phase that queued it. `started_at` (epoch seconds) is when the driver started, so Ray's
-    start and worker scheduling count too. Whatever no phase covers (the record, the logger, clean-up) is `other`.
-
-    `startup` is split by `steps` (when each startup step ended, epoch seconds, in order: the driver's, then
-    `workers`, Ray Train starting the worker group, `contract.LoopConfig.startup`) into those steps,
-    `worker_imports` (from the last step to this worker's loop: the training code's imports, the device) and
-    `preflight` (what the loop times as `startup` itself: the first collectives).
+    Phases are timed with the host clock after a device sync at both ends, so queued GPU work is charged to the
+    phase that queued it. `started_at` (epoch seconds) is the driver's start, so Ray's start counts too; what no
+    phase covers is `other`. `startup` is split by `steps` (epoch seconds each startup step ended, in order:
+    `LoopConfig.startup`), then `worker_imports` (to this worker's loop) and `preflight` (the rest).
     """
 
     def __init__(self, started_at: float, device: torch.device, steps: dict[str, float] | None = None):
@@ -258,6 +241,7 @@ def format_timeline(summary: dict) -> str:
     return "\n".join(lines)
 
 
+# Kernel (GPU) or operator (CPU) name fragments -> category; first match wins, on lower-cased names.
 PROFILE_CATEGORIES = [
     ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
@@ -269,12 +253,9 @@ PROFILE_CATEGORIES = [
 
 
 class StepProfiler:
-    """Profiles one training step on rank 0: where the device time goes, by category and by kernel.
-
-    The device is synchronized before and after the step, so the step is measured alone (slightly slower than
-    in the pipelined loop). Busy time is the union of the kernels' intervals, so the remainder of the step's
-    wall time is when the device waited (host launch overhead, syncs, data).
-    """
+    """Profiles one training step on rank 0: device time by category and by kernel. The step is synchronized at
+    both ends, so measured alone (slightly slower than pipelined); busy time is the union of kernel intervals, the
+    rest of its wall time the device waiting (launch overhead, syncs, data)."""
 
     def __init__(self, device: torch.device):
         from torch.profiler import ProfilerActivity, profile
@@ -291,7 +272,7 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
 
     def finish(self, run_dir: str, step: int) -> dict:
-        """Stops, writes `profile-step<N>.txt` and `.json.gz` into the run directory; returns the summary."""
+        """Stop, write `profile-step<N>.txt` and `.json.gz` into the run directory; returns the summary."""
         self._sync()
         wall_ms = (time.perf_counter() - self.started) * 1e3
         self.profile.stop()
@@ -317,8 +298,7 @@ def profile_summary(events, device_type: str, wall_ms: float, step: int, top: in
     kernels, host_spans = [], []  # (start_us, end_us, name)
     for e in events:
         if device_type == "cuda":
-            # Device-side events are kernels, copies, and the spans of annotated host regions (FSDP's,
-            # the optimizer step's), which contain kernels already counted.
+            # Device-side events: kernels, copies, and annotated host regions' spans (kernels counted already).
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 host_spans.append((e.time_range.start, e.time_range.end, e.name))
                 continue
@@ -349,8 +329,7 @@ def profile_summary(events, device_type: str, wall_ms: float, step: int, top: in
     summary = {"wall_ms": round(wall_ms, 2), "busy_ms": None if busy is None else round(busy / 1e3, 2),
                "by_category_ms": {cat: round(ms, 2) for cat, ms in by_category.items()}}
     if kernels:
-        # Idle time is in gaps between kernels, or at the step's edges: before its first kernel starts (the host
-        # preparing the step) and after its last one ends.
+        # Idle time: gaps between kernels, or the step's edges (before its first kernel, after its last).
         gap_ms = sum(g[1] - g[0] for g in gaps) / 1e3
         summary["idle_gaps_ms"] = round(gap_ms, 2)
         lines += idle_gap_lines(gaps, host_spans, min(k[0] for k in kernels))
@@ -360,9 +339,8 @@ def profile_summary(events, device_type: str, wall_ms: float, step: int, top: in
 
 
 def device_timeline(kernels: list[tuple]) -> tuple[float, list[tuple]]:
-    """From kernel intervals `(start_us, end_us, name)` on any streams: device busy time (their union, so
-    overlapping kernels count once, µs) and the idle gaps between them, `(start_us, end_us, name_before,
-    name_after)` in time order."""
+    """From kernel intervals `(start_us, end_us, name)` on any streams: busy µs (their union) and the idle gaps,
+    `(start_us, end_us, name_before, name_after)` in time order."""
     busy, end, last, gaps = 0.0, None, None, []
     for start, stop, name in sorted(kernels):
         if end is not None and start > end:
@@ -375,9 +353,8 @@ def device_timeline(kernels: list[tuple]) -> tuple[float, list[tuple]]:
 
 def idle_gap_lines(gaps: list[tuple], host_spans: list[tuple], t0: float, top: int = 10,
                    min_us: float = 20.0) -> list[str]:
-    """Text table of the largest idle gaps: when in the step, how long, the kernels around it, and what the host
-    was running when the device resumed (the innermost host span containing that moment: the operator or
-    annotated region, e.g. FSDP's or the optimizer's, that launched the next kernel or held it back)."""
+    """Text table of the largest idle gaps: when, how long, the kernels around it, and the innermost host span
+    at the device's resume (the operator or region that launched the next kernel or held it back)."""
     def host_at(t: float) -> str:
         spans = [(stop - start, name) for start, stop, name in host_spans if start <= t <= stop]
         return min(spans)[1] if spans else "-"
