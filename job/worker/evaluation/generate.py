@@ -1,21 +1,16 @@
 """Greedy generation on a plain (unsharded) causal LM: for the task evaluation, the sample and the export's check.
 
 `greedy_generate` decodes what Transformers' `generate(do_sample=False, cache_implementation="static")` decodes,
-token for token (tests/test_generate.py, on CPU), without its per-step host work:
-* a static KV cache, allocated once for prompt + new tokens and written in place (the default dynamic cache
-  concatenates every layer's keys and values at every step: terabytes at a batch of hundreds);
-* decode steps whose state lives in device tensors (next token, positions, the attention mask, which rows have
-  ended), so on a GPU one step is captured as a CUDA graph and replayed instead of launched op by op;
-* whether every row has ended asked every `CHECK_EVERY` steps (`generate` waits for the device at every step to
-  ask), the output then cut where `generate` would have stopped;
-* rows that ended dropped from the decode steps (their cache rows too) once fewer than `DROP_ENDED_BELOW` of the
-  rows decoded are still going, the step captured again for the smaller batch (half the rows: 0.68x the step's
-  time; a 256-token decode of GSM8K-length answers 17% shorter);
+token for token (tests/test_generate.py), without its per-step host work:
+* a static KV cache written in place (the dynamic cache concatenates every layer's keys and values at every step:
+  terabytes at a batch of hundreds);
+* decode state in device tensors, so on a GPU a step is captured as a CUDA graph and replayed;
+* whether every row has ended asked only every `CHECK_EVERY` steps, the output cut where `generate` would stop;
+* ended rows dropped from the steps (`DROP_ENDED_BELOW`; half the rows: 0.68x the step's time);
 * grouped-query attention on the key/value heads as they are (`sdpa_grouped_decode`).
-Models it does not cover (attention other than SDPA, sliding-window layers) go through `generate` itself, and
-`Generated.decode` says so. On one H200, the 1,319 GSM8K test questions with Qwen2.5-Coder-1.5B: 10.7 s through
-`generate`, 9.0 s here, the same generations; at that batch a decode step is device-bound (18 ms replayed, a
-third of it in unfused elementwise kernels: docs/performance.md, "Where the time goes").
+Other models (attention other than SDPA, sliding-window layers) go through `generate`, as `Generated.decode` says.
+GSM8K's 1,319 test questions with Qwen2.5-Coder-1.5B on an H200: 10.7 s through `generate`, 9.0 s here, the same
+generations; a step is then device-bound (docs/performance.md, "Where the time goes").
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ CHECK_EVERY = 16
 """Decode steps between two looks at whether every row has ended (each look waits for the device)."""
 
 DROP_ENDED_BELOW = 0.75
-"""Ended rows leave the decode steps when the rows still going fall below this share of the rows decoded (looked at
-every `CHECK_EVERY` steps). Each drop copies the cache's remaining rows and captures the step again."""
+"""Ended rows leave the decode steps when those still going fall below this share of the rows decoded; each drop
+copies the remaining cache rows and captures the step again."""
 
 WARMUP_STEPS = 2
 """Decode steps run eagerly before the step is captured as a CUDA graph (kernels' first-call setup)."""
@@ -56,12 +51,10 @@ class Generated:
 def sdpa_grouped_decode(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """SDPA whose one-token decode steps attend each key/value head's group of query heads to that head directly.
 
-    Transformers' SDPA path (before 5.24) repeats every key/value head for each query head of its group when an
-    attention mask is given (left-padded batches always have one): with a static cache that rewrites and rereads
-    the whole cache `num_key_value_groups` times per layer per step — for Qwen2.5-1.5B (12 query heads on 2) at a
-    batch of 1,319 about 0.3 TB per decode step. Here a decode step's query heads become the queries of their
-    key/value head instead (head `h` belongs to key/value head `h // groups`, as in `repeat_kv`), which is the
-    same attention. Prefill and training keep the stock function.
+    Transformers' SDPA path (before 5.24) repeats each key/value head per query head when a mask is given (always,
+    left-padded): with a static cache that rereads the whole cache `num_key_value_groups` times per layer per step
+    (~0.3 TB a step for Qwen2.5-1.5B at a batch of 1,319). Here query head `h` becomes a query of key/value head
+    `h // groups`, as in `repeat_kv`: the same attention. Prefill and training keep the stock function.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -92,10 +85,9 @@ def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask
                     drop_ended_below: float = DROP_ENDED_BELOW) -> Generated:
     """Greedy continuation of the left-padded `input_ids` by `lm`, at most `max_new_tokens` new tokens.
 
-    With `eos_token_id`, decoding stops once every row has produced it (the rows that ended padded with
-    `pad_token_id`); without, it runs exactly `max_new_tokens` steps. On CUDA the decode step is replayed as a
-    CUDA graph unless `cuda_graph` is False (or the capture fails: `decode` then says why). Rows that ended leave
-    the decode steps as `drop_ended_below` says (0: never).
+    With `eos_token_id`, stops once every row has produced it (ended rows padded with `pad_token_id`); without,
+    runs exactly `max_new_tokens` steps. On CUDA the step is a CUDA graph unless `cuda_graph` is False or the
+    capture fails (`decode` says why). `drop_ended_below`: as `DROP_ENDED_BELOW` (0: never).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
@@ -131,10 +123,9 @@ def unsupported(lm: PreTrainedModel) -> str | None:
 class StaticDecoder:
     """One batch's greedy decoding: the prefill at construction, then `run` for the decode steps.
 
-    Everything a decode step reads or writes is a device tensor updated in place (`step`), so the step can be
-    captured as a CUDA graph and replayed. Per step, as Transformers' greedy loop does: the argmax token of every
-    row, the pad token for rows that have ended, a row ending at its first EOS. The rows decoded (`rows`, the
-    batch's row of each) shrink as rows end (`drop_ended`); `new` keeps every row of the batch.
+    All a step reads or writes is a device tensor updated in place, so it can be captured as a CUDA graph. Per
+    step, as Transformers' loop: each row's argmax, the pad token once ended, ending at its first EOS. The rows
+    decoded (`rows`: their batch rows) shrink as rows end (`drop_ended`); `new` keeps every row.
     """
 
     def __init__(self, lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -205,8 +196,8 @@ class StaticDecoder:
         return decode
 
     def drop_ended(self) -> None:
-        """Only the rows still going are decoded from now on: their state and cache rows, copied (the ended rows'
-        remaining tokens are the pad tokens `new` already holds)."""
+        """Decode only the rows still going from now on (their state and cache rows copied; `new` already holds
+        the ended rows' pads)."""
         going = (~self.ended).nonzero().squeeze(1)
         self.rows, self.token, self.ended = self.rows[going], self.token[going], self.ended[going]
         self.position, self.attendable = self.position[going], self.attendable[going]

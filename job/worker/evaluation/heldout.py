@@ -25,9 +25,8 @@ def _rank_slots(n: int, rank: int, world: int) -> tuple[list[int], list[bool]]:
 
 
 def eval_batches(n_blocks: int, rank: int, world: int, micro_batch_size: int, max_batches: int):
-    """Rank `rank`'s held-out micro-batches as (block indices, real?) pairs: ceil(n / world) blocks per rank, in
-    the same number of full micro-batches on every rank (the last one filled up with weight-0 repeats, so every
-    forward has the training's shape), capped by `max_batches` when > 0."""
+    """Rank `rank`'s held-out micro-batches as (block indices, real?) pairs: the same number of full micro-batches
+    on every rank (filled with weight-0 repeats, so every forward has training's shape), at most `max_batches` (>0)."""
     index, real = _rank_slots(n_blocks, rank, world)
     n_batches = math.ceil(len(index) / micro_batch_size)
     if max_batches:
@@ -39,8 +38,8 @@ def eval_batches(n_blocks: int, rank: int, world: int, micro_batch_size: int, ma
 
 
 def heldout_batches(n_blocks: int, world: int, micro_batch_size: int, max_batches: int) -> list[list[int]]:
-    """Every held-out block `evaluate` reads on `world` ranks (weight-0 repeats left out), as micro-batches: the
-    export's acceptance check measures exactly the blocks of the final in-training evaluation."""
+    """Every held-out block `evaluate` reads on `world` ranks, repeats left out, as micro-batches: the export's
+    check measures exactly the final in-training evaluation's blocks."""
     batches = []
     for rank in range(world):
         for index, real in eval_batches(n_blocks, rank, world, micro_batch_size, max_batches):
@@ -60,15 +59,11 @@ def synthetic_heldout(vocab: int, n: int, seq_len: int, seed: int) -> data_lib.B
 
 def evaluate(model: CausalLMWithLoss, blocks: data_lib.Blocks, cfg: RunConfig, rank: int, world: int,
              device: torch.device) -> float:
-    """Mean held-out loss per target token over all ranks (`cfg` is the RunConfig).
+    """Mean held-out loss per target token over all ranks (collective; micro-batches as `eval_batches`).
 
-    Each rank runs the same number of micro-batches: ceil(blocks / world) blocks each, the ranks that run out
-    repeating a block with weight 0. `eval.max_batches` caps the micro-batches per rank.
-
-    With `parallel.compile` the forward runs as a training forward does (train mode, autograd on, the results
-    detached at once), so it is the graph the training step compiles: an evaluation compiles no graph of its own
-    (an inference graph of Qwen2.5-1.5B took ~20 s to compile at step 0). That needs a model without dropout;
-    one with dropout is evaluated in eval mode, under `no_grad`.
+    With `parallel.compile` the forward runs as training's does (train mode, autograd on, results detached at
+    once), so it reuses the training step's graph rather than compiling one of its own (~20 s for Qwen2.5-1.5B).
+    That needs a model without dropout; one with dropout is evaluated in eval mode, under `no_grad`.
     """
     as_training = cfg.parallel.compile and not has_dropout(model)
     if not as_training:
@@ -96,8 +91,8 @@ def has_dropout(model: CausalLMWithLoss) -> bool:
 
 
 class HeldoutEvaluation(Part):
-    """Held-out loss and perplexity every `eval.every_steps`, at step 0 of a fresh run and at the last step (whose
-    loss the export's acceptance check is held against: `LoopState.final_eval`); nothing without a held-out split."""
+    """Held-out loss and perplexity every `eval.every_steps`, at a fresh run's step 0 and at the last step (the
+    export's check is held against it: `LoopState.final_eval`); nothing without a held-out split."""
 
     def __init__(self, worker: Worker, model: CausalLMWithLoss, blocks: data_lib.Blocks | None, start_step: int):
         self.worker, self.model, self.blocks, self.start_step = worker, model, blocks, start_step

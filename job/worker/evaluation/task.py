@@ -1,12 +1,8 @@
-"""Task evaluation: greedy generation on held-out rows scored by exact match (`task_decode`, `task_record`), and
-the loop's part that runs it (`TaskEvaluation`): the baseline before any step, every `eval.task_every_steps`, and
-after the last step.
+"""Task evaluation: greedy generation on held-out rows scored by exact match (`task_decode`, `task_record`), and the
+loop's part that runs it (`TaskEvaluation`).
 
-Generation runs on an unsharded copy of the model (`parallelize.gathered_copy`) on each rank independently: a rank
-decodes its share of the prompts in large left-padded batches (`generate.greedy_generate`: static KV cache,
-CUDA-graph decode steps) and stops a batch as soon as every sequence in it has produced EOS; only the final counts
-are summed. The baseline (the model before any step) is decoded in a thread beside the data's tokenizing when the
-device has room (`start_baseline`), else at step 0.
+Each rank decodes its share of the prompts independently, on an unsharded copy of the model, in large left-padded
+batches (`generate.greedy_generate`); only the final counts are summed.
 """
 
 from __future__ import annotations
@@ -62,8 +58,8 @@ def gsm8k_reference(answer: str) -> str | None:
 
 
 def gsm8k_prediction(text: str) -> str | None:
-    """The final answer of a generated solution: the first number after the last `####`, else the last number
-    in the text (models that have not learned the `####` convention still get credit for a right number)."""
+    """The final answer of a generation: the first number after the last `####`, else the last number (a model
+    that has not learned `####` still gets credit for a right number)."""
     if "####" in text:
         tail = _NUMBER.findall(text.rsplit("####", 1)[1])
         if tail:
@@ -84,8 +80,8 @@ def score(task: str, generated: str, reference: str) -> tuple[str | None, bool]:
 
 
 def task_items(examples: list[dict], data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list[dict]:
-    """`{question, prompt, reference}` for held-out examples: the prompt exactly as training renders it (the
-    completion's prompt, or the conversation up to the last assistant turn with the generation prompt)."""
+    """`{question, prompt, reference}` for held-out examples, the prompt exactly as training renders it (for chat:
+    up to the last assistant turn, with the generation prompt)."""
     items = []
     for x in examples:
         if "prompt" in x:
@@ -111,14 +107,13 @@ class TaskShare:
     """Tokens each generation took, up to and including its EOS."""
     decode_steps: int
     decodes: list[str]
-    """How each batch decoded (`Generated.decode`), once each, in order: a failed capture in any batch shows."""
+    """Each distinct `Generated.decode` of its batches, in order: a failed capture in any batch shows."""
     seconds: float = 0.0
 
 
 def task_evaluate(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
                   rank: int, world: int, device: torch.device, step: int) -> dict:
-    """Greedy generation on held-out items by the unsharded `lm`, scored by exact match of the task's final
-    answer: `task_decode`, then `task_record` (collective). Returns the `task_eval` metrics record."""
+    """`task_decode`, then `task_record` (collective): the `task_eval` metrics record."""
     return task_record(task_decode(lm, tokenizer, items, eval_cfg, rank, world, device), eval_cfg, device, step)
 
 
@@ -141,11 +136,8 @@ def kv_cache_bytes(config, batch: int, length: int, dtype: torch.dtype) -> int:
 @torch.no_grad()
 def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
                 rank: int, world: int, device: torch.device) -> TaskShare:
-    """This rank's share of a task evaluation, decoded and scored; no collectives (it may run in a thread).
-
-    The first `eval.task_max_examples` items are dealt out round-robin (rank r scores items r, r + world, ...),
-    and each rank decodes its share on its own in batches of `eval.task_batch_size`.
-    """
+    """This rank's share (`rank_items`) decoded in batches of `eval.task_batch_size` and scored; no collectives, so
+    it may run in a thread."""
     start = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the current device is per thread
@@ -173,8 +165,8 @@ def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: 
 
 
 def task_record(share: TaskShare, eval_cfg: EvalConfig, device: torch.device, step: int) -> dict:
-    """The `task_eval` metrics record of every rank's `share` (collective: the counts are summed), the same on
-    every rank; its examples and generation lengths are this rank's."""
+    """The `task_eval` record of every rank's `share` (collective: counts summed); examples and lengths are this
+    rank's."""
     totals = torch.tensor([share.correct, share.n], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     n = int(totals[1].item())
@@ -184,8 +176,7 @@ def task_record(share: TaskShare, eval_cfg: EvalConfig, device: torch.device, st
 
 
 def length_quantiles(lengths: list[int]) -> dict:
-    """Median, 90th and 99th percentile and longest of this rank's generation lengths: how much of a batch's
-    decoding only its longest rows needed."""
+    """p50, p90, p99 and max of this rank's generation lengths: how much decoding only the longest rows needed."""
     if not lengths:
         return {}
     ordered = sorted(lengths)
@@ -213,10 +204,9 @@ DECODE_HEADROOM = 0.25
 
 def room_to_decode_beside(device: torch.device, lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                           items: list[dict], eval_cfg: EvalConfig, rank: int, world: int) -> bool:
-    """Whether this rank's task decoding by `lm` fits beside other work: on CPU always; on a GPU when twice its
-    largest batch's KV cache (the cache and the prefill's passing activations) leaves `DECODE_HEADROOM` of the
-    device free. (Tokenizing the prompts here, on every device before the thread starts, also leaves the
-    tokenizer in the state both threads then use it in.)"""
+    """Whether this rank's decoding fits beside other work: on CPU always; on a GPU when twice its largest batch's
+    KV cache (cache plus the prefill's activations) leaves `DECODE_HEADROOM` free. (Tokenizing here, before the
+    thread starts, also leaves the tokenizer in the state both threads then use.)"""
     mine = rank_items(items, eval_cfg, rank, world)
     longest = max(len(ids) for ids in tokenizer([x["prompt"] for x in mine], add_special_tokens=False)["input_ids"])
     if device.type != "cuda":
@@ -231,14 +221,12 @@ def room_to_decode_beside(device: torch.device, lm: PreTrainedModel, tokenizer: 
 def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, items: list[dict],
                    cfg: RunConfig, rank: int, world: int, device: torch.device,
                    bf16: bool) -> PendingTaskEval | None:
-    """The task baseline (the model before any step) decoding in a thread on a plain copy of `model`, which is
-    not sharded yet (no collective), when the device has room for it beside the work that goes on meanwhile
-    (`room_to_decode_beside`); None without room (then `TaskEvaluation.start` decodes it at step 0).
+    """The task baseline (the model before any step) decoding in a thread on a plain copy of the not yet sharded
+    `model` when the device has room (`room_to_decode_beside`); None without (then decoded at step 0).
 
-    Beside the data's tokenizing (host work) the decoding has the device to itself. Beside the first held-out
-    evaluation, which compiles the forward, each slowed the other: 20 s together against 23 s one after the
-    other; the compiler's kernel benchmarks wait for the device, which the decoding keeps busy. The thread makes no
-    collective call, so the ranks' collectives stay in one order."""
+    Beside the data's tokenizing (host work) it has the device to itself; beside the first held-out evaluation,
+    which compiles, each slows the other (20 s together, 23 s apart): the compiler's benchmarks wait for the device.
+    The thread makes no collective call, so the ranks' collectives stay in one order."""
     lm = gathered_copy(model, torch.bfloat16 if bf16 else torch.float32, device)
     if not room_to_decode_beside(device, lm, tokenizer, items, cfg.eval, rank, world):
         return None
@@ -247,10 +235,9 @@ def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, 
 
 
 class TaskEvaluation(Part):
-    """The task score (`eval.task`) on the held-out rows: before the first step of a fresh run
-    (`eval.task_at_start`; decoded beside the data's tokenizing when `build` could start it: `baseline`), every
-    `eval.task_every_steps` before the last, and after the last step on the copy the export also uses (`finish`).
-    Each on an unsharded copy of the model; every result is kept in `LoopState.task_results` for the record."""
+    """The task score (`eval.task`) on the held-out rows, each on an unsharded copy of the model: before a fresh
+    run's first step (`eval.task_at_start`; `baseline` if begun beside the data), every `eval.task_every_steps`,
+    and after the last step on the export's copy (`finish`). Results are kept in `LoopState.task_results`."""
 
     def __init__(self, worker: Worker, model: CausalLMWithLoss, checkpointer: Checkpointer,
                  tokenizer: PreTrainedTokenizerBase | None, items: list[dict], start_step: int,
@@ -280,9 +267,8 @@ class TaskEvaluation(Part):
         return gathered_copy(self.model, torch.bfloat16 if worker.bf16 else torch.float32, worker.device)
 
     def baseline_at_step_0(self) -> PendingTaskEval:
-        """The task baseline's decoding: the one `build` began on this rank, or, when any rank had no room for it
-        there, decoded now, on a copy of the model that every rank gathers (collective: all ranks take part in the
-        gather if any rank needs it, so they stay in step)."""
+        """The baseline's decoding begun beside the data, or, when any rank had no room for it, one decoded now on
+        a gathered copy (collective: all ranks gather if any needs it, so they stay in step)."""
         worker = self.worker
         missing = torch.tensor(float(self.baseline is None), device=worker.device)
         dist.all_reduce(missing, op=dist.ReduceOp.MAX)
@@ -296,9 +282,8 @@ class TaskEvaluation(Part):
         return PendingTaskEval(lambda: share, background=False)
 
     def finish_pending(self, state: LoopState, step: int, pending: PendingTaskEval) -> None:
-        """Waits for the decoding `pending` and logs the task evaluation at `step` (collective). A background
-        decoding is charged to the `task_eval` phase only for the wait: the record's `seconds` is the decoding's own,
-        `overlapped_s` the part of it that overlapped other phases."""
+        """Wait for `pending` and log the task evaluation at `step` (collective). A background decoding charges
+        `task_eval` only the wait; the record's `seconds` is its own, `overlapped_s` the part beside other phases."""
         with self.worker.timeline.phase("task_eval"):
             start = time.perf_counter()
             share = pending.wait()
