@@ -34,15 +34,11 @@ def _transport_signature(record: dict) -> list[str]:
 
 
 def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_IGNORED_CONFIG) -> dict:
-    """Differences between two run records, grouped.
+    """Differences between two run records, grouped: `{"image", "runtime_env", "packages", "config", "data",
+    "hardware", "results"}`, each a list of `(key, value_in_a, value_in_b)`.
 
-    Returns `{"image": [...], "runtime_env": [...], "packages": [...], "config": [...], "data": [...],
-    "hardware": [...], "results": [...]}`, each a list of `(key, value_in_a, value_in_b)`.
-    `runtime_env`: what the job asked Ray to add (`requested.*`), whether anything was installed at start
-    and the added packages' versions (`packages.<name>`).
-    Package keys are distribution names (`None` = not installed on that side); config and
-    data keys are dotted paths (the weights' fingerprint counts as data). `results` is informational (losses,
-    throughput, MFU, goodput and seconds per phase) and
+    Package keys are distribution names (None: not installed on that side); config and data keys dotted paths (the
+    weights' fingerprint counts as data). `results` (losses, throughput, MFU, goodput, phases) is informational and
     never makes environments differ; hostnames, times and bandwidth figures are not compared.
     """
     img_a, img_b = a.get("image") or {}, b.get("image") or {}
@@ -148,11 +144,8 @@ def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -
 
 
 def main(argv: list[str]) -> int:
-    """`python -m job compare RUN_A RUN_B [--storage STORAGE] [--ignore-config KEY ...]`; `argv` excludes "compare".
-
-    Prints the grouped differences. Exit status: 0 environments identical (image, runtime env,
-    packages, config, data, hardware/transport), 1 they differ, 2 bad input (e.g. a missing run.json).
-    """
+    """`python -m job compare RUN_A RUN_B [--storage STORAGE] [--ignore-config KEY ...]` (`argv` without "compare"):
+    prints the grouped differences; 0 environments identical, 1 they differ, 2 bad input."""
     parser = argparse.ArgumentParser(prog="python -m job compare",
                                      description="Compare the run records (run.json) of two runs.")
     parser.add_argument("run_a", help="run directory (local or s3://) holding run.json, or with --storage a run name")

@@ -1,17 +1,9 @@
-"""Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`, or `report --storage STORAGE NAME` for a run
-of the index (`runs.py`).
+"""Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`, or `report --storage STORAGE NAME`.
 
-Reads `run.json` (the run record, see `run_record.py`) and `metrics.jsonl` from the run
-directory (local or `s3://`) and writes, into `--out` (default: the run directory when it
-is local, else `./<run name>-report`):
-
-* `report.md`  -- name, status, config highlights, data fingerprint, hardware and transport,
-  preflight bandwidth, final/best eval loss, throughput, MFU, task evals, plots;
-* `loss.png`, `throughput.png`, `mfu.png` -- when the metrics have those series.
-
-Plotting needs matplotlib (an optional extra, not in the environment `scripts/setup.sh` makes). It is imported
-only when plots are drawn; without it, report.md is written without plots and says so in one line (the same
-curves are in the run's TensorBoard files).
+From `run.json` and `metrics.jsonl` (local or `s3://`), writes `report.md` and, when the metrics have those series,
+`loss.png`, `throughput.png`, `mfu.png` into `--out` (default: a local run directory, else `./<run name>-report`).
+Plots need matplotlib, an optional extra imported only to draw them; without it report.md says so in one line
+(the same curves are in the run's TensorBoard files).
 """
 
 from __future__ import annotations
@@ -304,9 +296,9 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
 
 
 def write_report(run_dir: str, out: str, plots: bool = True) -> list[str]:
-    """Writes `<out>/report.md` (and, with `plots`, the plots) for the run at `run_dir`; returns the file names
-    written, report.md first. Raises `ReportError` (one line) when the run cannot be read or `out` not created; a
-    plot that cannot be drawn is a note in the report, said on stderr."""
+    """Write `<out>/report.md` (and, with `plots`, the plots) for the run at `run_dir`; returns the names written,
+    report.md first. `ReportError` (one line) when the run cannot be read or `out` not created; a plot that cannot
+    be drawn is a note in the report and on stderr."""
     notes: list[str] = []
     try:
         record = run_record.load_record(run_dir)
@@ -340,11 +332,7 @@ def write_report(run_dir: str, out: str, plots: bool = True) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m job report RUN_DIR [--out DIR] [--no-plots]`; `argv` excludes "report".
-
-    Exit status: 0 report written (without plots, said in one line, when matplotlib is missing), 2 bad input
-    (no run.json and no metrics.jsonl in RUN_DIR).
-    """
+    """`python -m job report ...` (`argv` without "report"): 0 written (perhaps without plots), 2 bad input."""
     parser = argparse.ArgumentParser(prog="python -m job report", description="Write report.md and plots for a run.")
     parser.add_argument("run_dir", help="run directory (local or s3://) with run.json and metrics.jsonl, "
                                         "or with --storage a run name")

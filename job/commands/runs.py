@@ -1,28 +1,16 @@
-"""Run index: `python -m job runs STORAGE [--status S] [--name GLOB] [--where FIELD OP VALUE] [--sort KEY] [--json]`.
+"""Run index: `python -m job runs STORAGE [--status S] [--name GLOB] [--where FIELD OP VALUE] [--sort KEY] [--json]`
+(docs/evidence.md, "runs").
 
-Lists every run under a storage path (a local directory, a mounted PVC, an `s3://` URI): one row per run
-directory, read from its `run.json` alone (plus `heartbeat.json` for a record still `running`), so hundreds of
-runs list in about a second. Reads go through fsspec's batched `cat`, which s3fs issues concurrently.
+One row per run directory under a storage path, from its `run.json` alone (and `heartbeat.json` while `running`),
+read in one batched fsspec `cat` (concurrent on s3fs), so hundreds of runs list in about a second. The status is
+the record's, except `stale` (`running`, its driver's heartbeat stale), `starting` (no run.json yet, a fresh
+heartbeat) and `unreadable` (`reason` says why: a bad directory is a row, never an error of the listing). A
+directory with none of a run's files (`RUN_FILES`, `checkpoint_*`) is not a run.
 
-Row status (`STATUSES`): the record's own (`running`, `succeeded`, `failed`, `cancelled`, `abandoned`), except
-
-* `stale`      -- the record says `running` but its driver's heartbeat is stale (`lease.liveness`): the driver
-                  is gone, and the next start of the run will mark it `abandoned`;
-* `starting`   -- no run.json yet, but a fresh driver heartbeat (the run is before its first record);
-* `unreadable` -- a run directory whose run.json is missing, half written or not a run record; `reason` says
-                  which. A bad directory is a row, never an error of the listing.
-
-A subdirectory holding none of a run's files (`RUN_FILES`, `checkpoint_*`), e.g. `datasets/`, is not a run.
-
-Filters (all must hold): `--status` (repeatable or comma-separated), `--name` (a glob; repeatable: any),
-`--where FIELD OP VALUE` (repeatable), with FIELD a row column (`COLUMNS`) or a dotted run.json path
-(`config.train.lr`, `chart.version`, `error.class`), checked against run.json's schema and the run config's, and
-OP one of `= != < <= > >= ~` (`~`: glob). VALUE is read as JSON when it parses (`1e-5`, `true`, `null`), else
-as text; numbers compare as numbers, text as text (ISO times order correctly). A field a record lacks
-satisfies only `!=`. `--sort KEY` takes the same fields (missing values last; `--reverse` flips the rest).
-
-`resolve_run` is how `report --storage S NAME` and `compare --storage S A B` turn a name from the index into
-its run directory.
+`--where` FIELD is a column (`COLUMNS`) or a dotted run.json path checked against run.json's and the config's
+schemas; VALUE is JSON when it parses, else text; numbers compare as numbers, text as text (ISO times order); a
+missing field satisfies only `!=`. `--sort` takes the same fields, missing values last. `resolve_run` turns a name
+into its run directory for `report --storage` and `compare --storage`.
 """
 
 from __future__ import annotations
@@ -172,11 +160,8 @@ def _without_record(fs, name: str, path: str, fs_path: str) -> RunRow | None:
 
 
 def list_runs(storage_path: str) -> list[RunRow]:
-    """Every run directory directly under `storage_path`, as rows, in directory order.
-
-    Raises `RunsError` for a storage path that cannot be listed (missing, not a directory, credentials, the
-    object store unreachable); a bad run directory is an `unreadable` row instead.
-    """
+    """Every run directory directly under `storage_path`, as rows, in directory order; `RunsError` when the path
+    cannot be listed (a bad run directory is an `unreadable` row instead)."""
     try:
         fs, root = storage.filesystem(storage_path)
         entries = fs.ls(root, detail=True)
@@ -240,8 +225,8 @@ def _schemas() -> tuple[dict, dict]:
 
 
 def _alternatives(schema: dict, root: dict) -> list[dict]:
-    """`schema` with its local `$ref`s resolved and `anyOf`/`oneOf` spread into alternatives (`allOf` parts are
-    if/then constraints in these schemas: they add no fields)."""
+    """`schema` with local `$ref`s resolved and `anyOf`/`oneOf` spread into alternatives (`allOf` adds no fields
+    here)."""
     if "$ref" in schema:
         target = root
         for part in schema["$ref"].removeprefix("#/").split("/"):
@@ -422,8 +407,8 @@ def summary_line(storage_path: str, shown: list[RunRow], total: list[RunRow]) ->
 # --- names for report and compare ------------------------------------------------------------------
 
 def resolve_run(name_or_path: str, storage_path: str | None) -> str:
-    """The run directory of `name_or_path`: with `storage_path`, a bare run name (no `/`) is the run of that
-    name under it (`RunsError` when there is none); a path is kept as given."""
+    """The run directory of `name_or_path`: with `storage_path`, a bare name is that run under it (`RunsError` when
+    there is none); a path is kept as given."""
     if storage_path is None or not RUN_NAME.fullmatch(name_or_path):
         return name_or_path
     path = storage.join(storage_path, name_or_path)
@@ -449,8 +434,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str]) -> int:
-    """`python -m job runs STORAGE ...`; `argv` excludes "runs". Exit status: 0 listed (unreadable rows
-    included), 2 bad input, printed as one line `runs: <problem>`."""
+    """`python -m job runs STORAGE ...` (`argv` without "runs"): 0 listed, 2 bad input (one line `runs: ...`)."""
     parser = _Parser(prog="python -m job runs", description="List the runs under a storage path.",
                      epilog="FIELD: a column (" + ", ".join(COLUMNS) + ") or a dotted run.json path "
                             "(config.train.lr, chart.version, error.class)")
