@@ -1,20 +1,9 @@
-"""What the loop knows of its parts, and the two that keep its own books.
+"""What the loop knows of its parts, and the two that keep its own books (`LogStep`, `Checkpointing`).
 
-The loop (`train.train`) runs one optimizer step at a time and then asks each of its parts, in order, whether work
-is due at that step (`Part.due`), and does it (`Part.run`); before the first step each part may start
-(`Part.start`), and after the last each may finish, on the model's unsharded copy if it needs one (`Part.finish`). The parts, in
-the order they are asked (`trainer.Trainer.parts`):
-
-* `LogStep` -- every `logging.every_steps`: the interval's loss (and the objective's metrics), the loop's one
-  host-device sync, with each rank's flags in the same all-reduce (`LogTotals`); finite and spike checks.
-* `Checkpointing` -- completes the save every rank has written (told at the log step), saves every
-  `checkpoint.every_steps`, at the last step and when a preemption was agreed, then ends the attempt.
-* `evaluation.heldout.HeldoutEvaluation` -- held-out loss every `eval.every_steps` and at the last step.
-* `evaluation.task.TaskEvaluation` -- the task score before training, every `eval.task_every_steps`, and at the end.
-
-A part reads and changes `LoopState`, the state the loop carries from step to step; what it needs besides is given
-to it when it is built (`build.build`). A new periodic part is a class with these methods, built there and listed
-in `Trainer.parts` (docs/architecture.md has a worked example); the loop's body does not change.
+After each optimizer step the loop (`train.train`) asks each part, in `Trainer.parts`'s order, whether work is due
+(`Part.due`) and does it (`Part.run`); a part may `start` before the first step and `finish` after the last. It
+reads and changes `LoopState`; what it needs besides is given when `build.build` makes it. The parts and when each
+is due: docs/architecture.md, which also has a worked example of a new one; the loop's body does not change.
 """
 
 from __future__ import annotations
@@ -72,8 +61,8 @@ class StepResult:
 
 @dataclass
 class Interval:
-    """What the loop sums between two log steps: loss, units and the objective's metrics kept on the device
-    (reading them, at the log step, is the loop's only host sync), and the tokens trained and since when."""
+    """What the loop sums between two log steps, on the device (read at the log step: the loop's only host sync),
+    and the tokens trained and since when."""
 
     loss_sum: torch.Tensor
     units: torch.Tensor
@@ -163,8 +152,8 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
 
 
 class LogStep(Part):
-    """The log step: the interval's metrics logged and checked (finite, no spike), the interval restarted, and the
-    ranks' flags (checkpoint writes done, preemption) told to every rank (`LoopState.synced`)."""
+    """The log step: the interval's metrics logged and checked (finite, no spike) and the ranks' flags told to every
+    rank (`LoopState.synced`), in one all-reduce."""
 
     def __init__(self, worker: Worker, checkpointer: Checkpointer, preempted: Callable[[], bool],
                  flops_per_token: float, peak_flops: float | None):
@@ -212,11 +201,9 @@ class LogStep(Part):
 
 
 class Checkpointing(Part):
-    """Saves beside the steps (`checkpoint.writer.Checkpointer`): before the first step the writer chosen and
-    started; after the attempt's second step the staging decided; at a log step where every rank's write has
-    returned, that checkpoint completed; every `checkpoint.every_steps`, at the last step, and when the ranks agreed
-    on a preemption, a save (before the evaluations: the write goes on while they run), the previous one completed
-    first; a preemption before the last step then ends the attempt (`Preempted`), within the grace period."""
+    """Saves beside the steps (`Checkpointer`). A save comes before the evaluations of its step, so its write
+    overlaps them; a preemption before the last step ends the attempt after its save (`Preempted`), within the
+    grace period."""
 
     def __init__(self, worker: Worker, checkpointer: Checkpointer, model, optimizer: torch.optim.Optimizer,
                  start_step: int):
@@ -276,8 +263,8 @@ class Checkpointing(Part):
 
 
 def in_background(fn: Callable, *args) -> Callable[[], object]:
-    """Runs `fn(*args)` in a daemon thread, beside the loop (a task decoding, the weights' hashing); returns a
-    function that waits for its result (or raises its error)."""
+    """Run `fn(*args)` in a daemon thread beside the loop; returns a function that waits for its result (or raises
+    its error)."""
     result: dict = {}
 
     def target():

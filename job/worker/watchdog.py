@@ -1,15 +1,12 @@
-"""Two watches over the training loop, both costing nothing per step beyond a clock read:
+"""Two watches over the training loop, costing nothing per step beyond a clock read:
 
-* `Watchdog` -- a daemon thread per worker: when no training step finished within `train.hang_timeout_s` (a
-  longer allowance inside the phases between steps, see that field), it writes every thread's Python stack of
-  this rank to `<run_dir>/hang/attempt-<n>-rank<r>.txt`, rank 0 closes the run record `failed` as
-  `infrastructure`/`hang` (`HangError`; its rank the one that hung, where the ranks' stacks tell: `hung_ranks`),
-  and the process ends (`os._exit`), so Ray Train sees a lost worker and retries from the last checkpoint
-  (`scaling.max_failures`). A thread, because the training loop's thread is then blocked in a collective or in
-  device work, with the GIL released.
-* `LossSpikes` -- at each log interval (where the loop reads the loss anyway): a loss above
-  `train.loss_spike_factor` x the median of the recent logged losses for `train.loss_spike_intervals` intervals
-  in a row raises `LossSpikeError` (`model`/`loss_spike`).
+* `Watchdog` -- a daemon thread per worker: when no step finished within `train.hang_timeout_s` (longer in the
+  phases between steps), it writes this rank's thread stacks to `<run_dir>/hang/attempt-<n>-rank<r>.txt`, rank 0
+  closes the record `infrastructure`/`hang` (naming the rank that hung where the stacks tell), and the process
+  ends, so Ray Train sees a lost worker and retries from the last checkpoint. A thread, because the loop's thread
+  is then blocked in a collective or device work, with the GIL released.
+* `LossSpikes` -- at each log interval: a loss above `train.loss_spike_factor` x the recent median for
+  `train.loss_spike_intervals` intervals in a row raises `LossSpikeError`.
 """
 
 from __future__ import annotations
@@ -56,9 +53,9 @@ class LossSpikeError(RuntimeError):
 
 
 class Watchdog:
-    """`step_done` after each step and `phase` on entering and leaving each phase between steps (the
-    `metrics.Timeline` hook) mark progress; the thread fires when the time since the last mark exceeds its allowance
-    (`timeout_s`: fixed; None: automatic; 0: no thread). `on_hang(HangError)` runs before the process ends."""
+    """`step_done` after each step and `phase` around each phase between steps (`metrics.Timeline`'s hook) mark
+    progress; the thread fires when the last mark is older than its allowance (`timeout_s`: fixed; None:
+    automatic; 0: no thread). `on_hang(HangError)` runs before the process ends."""
 
     def __init__(self, timeout_s: float | None, run_dir: str, rank: int, attempt: int, step: int,
                  on_hang: Callable[[HangError], None] | None = None, world: int = 1, blocking: bool = False):
@@ -115,8 +112,8 @@ class Watchdog:
             os._exit(70)  # EX_SOFTWARE; the main thread cannot be interrupted inside a collective
 
     def _where(self) -> dict:
-        """This rank's progress, the second line of its stack file: its last finished step, and whether its
-        training loop waits inside torch.distributed (a collective) or is stuck elsewhere (at its innermost frame)."""
+        """This rank's progress, its stack file's second line: its last finished step, and whether the loop waits
+        inside a collective or elsewhere (its innermost frame)."""
         frame = sys._current_frames().get(self.loop_thread)
         stack = traceback.extract_stack(frame) if frame is not None else []
         inside = any(f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename for f in stack)
@@ -124,8 +121,8 @@ class Watchdog:
         return {"rank": self.rank, "step": self.step, "in_collective": inside, "at": at}
 
     def _name_hung(self, error: HangError, stacks: str) -> None:
-        """Rank 0, before it closes the record: waits briefly for the other ranks' stack files (their watchdogs
-        fire within a check interval of its own), then names the rank that hung in `error` (`hung_ranks`)."""
+        """Rank 0, before closing the record: wait briefly for the other ranks' stack files, then name the rank
+        that hung in `error`."""
         if self.world == 1:
             error.rank = self.rank
             return
@@ -155,9 +152,8 @@ class Watchdog:
 
 
 def hung_ranks(states: list[dict]) -> list[int]:
-    """Under collectives that block their caller (gloo), the ranks that hung, from each rank's `Watchdog._where`:
-    those outside any collective (the others wait inside one for them) and those behind the last finished step
-    of the others (no rank can finish a step without them)."""
+    """Under blocking collectives (gloo), the ranks that hung, from each rank's `Watchdog._where`: those outside any
+    collective (the others wait inside one for them) and those behind the others' last finished step."""
     latest = max((s["step"] for s in states), default=0)
     return sorted(s["rank"] for s in states if not s["in_collective"] or s["step"] < latest)
 

@@ -1,16 +1,13 @@
 """The checked Hugging Face export: write the trained model once, reload it in a fresh process, and accept it only
 if it reproduces the final in-training held-out loss. Its layout is `common/exports.py`'s.
 
-The weights come from the unsharded copy that the final task evaluation also uses (`parallelize.gathered_copy`: one
-gather for both), in the dtype training computed in (bf16 on GPU), so the reloaded model computes what the
-trained one did. The acceptance check runs in a new interpreter (`python -m job accept EXPORT_DIR`): nothing of
-the training process (FSDP, hooks, in-memory weights) can leak into it. It reads the held-out blocks from the
-export instead of rebuilding the dataset, and checks that the tokenizer reloads with the same vocabulary.
-
-That interpreter is started (`AcceptanceProcess`) before training, so its start and imports (~20 s) are done
-long before the export is written, and it waits without touching the GPU; it is given the export directory,
-and reads it, once every file is written (`start_export`), and checks it while the training process runs the
-final task evaluation; `finish_export` collects the verdict.
+The weights come from the unsharded copy the final task evaluation also uses (one gather for both), in training's
+compute dtype, so the reloaded model computes what the trained one did. The check runs in a new interpreter
+(`python -m job accept`), so nothing of the training process (FSDP, hooks, in-memory weights) leaks into it; it
+reads the held-out blocks from the export and checks that the tokenizer reloads with the same vocabulary. That
+interpreter starts before training (`AcceptanceProcess`), so its imports are done long before the export is
+written, and waits without touching the GPU; it checks the export while training's process runs the final task
+evaluation.
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ class AcceptanceProcess:
             pass
 
     def wait(self) -> str:
-        """Waits for the check to end; returns the process's exit status and the tail of its stderr (the cause,
-        when it wrote no `acceptance.json`)."""
+        """Wait for the check; returns the exit status and the tail of stderr (the cause, without acceptance.json)."""
         self._proc.wait()
         self._stderr.seek(0)
         return f"acceptance process exited {self._proc.returncode}: {self._stderr.read()[-2000:]}"
@@ -88,18 +84,16 @@ def start_acceptance() -> AcceptanceProcess | None:
 def start_export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: config_lib.RunConfig,
                  run_dir: str, reference: dict, heldout: data_lib.Blocks, batches: list[list[int]],
                  acceptance: AcceptanceProcess | None, adapters: dict[str, torch.Tensor] | None = None) -> dict | None:
-    """Rank 0 writes the export of the unsharded `lm` (staged beside `<run>/export/`) and hands it to
-    `acceptance` (its `start_acceptance()`) to check, and returns at once, so the check runs while training's
-    process does other work (the final task evaluation); `finish_export` collects the verdict. `reference`
-    holds the final in-training held-out loss and how it was measured; `batches` are the micro-batches of
-    `heldout` it was measured on. With LoRA, `adapters` (`model.adapter_state_dict`) are the export, and `lm`
-    (the merged model) is written only with `model.lora.merged_export`. Returns what `finish_export` needs on
-    rank 0, None on the others."""
+    """Rank 0 writes the export of the unsharded `lm` (staged beside `<run>/export/`), hands it to `acceptance` and
+    returns at once, so the check runs beside the final task evaluation. `reference`: the final in-training
+    held-out loss and how it was measured, on the micro-batches `batches` of `heldout`. With LoRA, `adapters` are
+    the export, `lm` (merged) written only with `model.lora.merged_export`. Returns what `finish_export` needs on
+    rank 0, None elsewhere."""
     if dist.get_rank() != 0:
         return None
     if torch.cuda.is_available():
-        # The acceptance process shares this GPU: hand back the allocator's cached blocks (the training
-        # activations' memory), or it runs out of memory after a run that filled the GPU.
+        # The acceptance process shares this GPU: hand back the allocator's cached blocks, or it may run out of
+        # memory.
         torch.cuda.empty_cache()
     start = time.perf_counter()
     final = storage.join(run_dir, EXPORT_DIR)
@@ -114,8 +108,8 @@ def start_export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
 
 
 def finish_export(pending: dict | None, acceptance: AcceptanceProcess | None) -> dict:
-    """Waits for the check `start_export` began; rank 0 marks a passed export `_VALID` and moves it into place
-    (collective: the result reaches every rank). Raises `ExportError` on every rank when the check failed."""
+    """Wait for the check `start_export` began; rank 0 marks a passed export `_VALID` and moves it into place
+    (collective). `ExportError` on every rank when the check failed."""
     result = None
     if dist.get_rank() == 0:
         try:
@@ -173,8 +167,7 @@ def peft_adapter_config(cfg: config_lib.RunConfig, target_modules: list[str]) ->
 
 
 def merged_room_problem(run_dir: str, merged_bytes: int) -> str | None:
-    """Why the merged export (`merged_bytes` of weights) would not fit where it is staged (beside the run
-    directory, or in a local temporary directory for object storage), or None."""
+    """Why the merged export (`merged_bytes` of weights) would not fit where it is staged, or None."""
     where = tempfile.gettempdir() if storage.is_remote(run_dir) else storage.local_path(run_dir)
     while not os.path.exists(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where)
@@ -224,18 +217,17 @@ def _publish(stage: str, final: str) -> None:
 
 
 def prepare_acceptance() -> None:
-    """What `accept` needs before it has an export to read: its imports (~20 s on a GPU machine). The device
-    is initialized only once an export arrives, so the waiting process holds no GPU memory while training runs."""
+    """`accept`'s imports (~20 s on a GPU machine), before it has an export. The device is initialized only once
+    an export arrives, so the waiting process holds no GPU memory."""
     import safetensors.torch  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
 def accept(export_dir: str) -> dict:
-    """The acceptance check, run in a fresh process: reload the export with `from_pretrained`, compute the
-    held-out loss on the blocks the final in-training evaluation used, check the tokenizer, and generate greedily.
-    Writes `acceptance.json` beside the export; `ok` is whether the loss matches within
-    `checkpoint.export_tolerance`; `timings` says where its seconds went."""
+    """The acceptance check, in a fresh process: reload the export, compute the held-out loss on the final
+    evaluation's blocks, check the tokenizer, generate greedily. Writes `acceptance.json`: `ok` when the loss
+    matches within `checkpoint.export_tolerance`; `timings`."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -265,8 +257,7 @@ def accept(export_dir: str) -> dict:
         result["dtype"] = str(lm.dtype)
         lap("load_s")
         blocks = load_file(os.path.join(export_dir, HELDOUT))
-        # Eager, the loss kernel included: compiling it in this one-shot process took most of the held-out pass's
-        # 10-13 s for the 1.5B, and the eager passes over the logits take well under a second.
+        # Eager, the loss included: compiling in this one-shot process would take most of the pass's time.
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             loss, n_targets = _heldout_loss(lm, cfg, blocks, ref["batch_sizes"], device)
             lap("heldout_s")
@@ -316,9 +307,9 @@ def _load_full(path: str, device: torch.device) -> PreTrainedModel:
 
 def base_with_adapter(export_dir: str, cfg: config_lib.RunConfig, tokenizer: PreTrainedTokenizerBase | None,
                       dtype: str, device: torch.device) -> PreTrainedModel:
-    """The run's base model (loaded from `model.path`, or the seeded random init again) with the export's PEFT
-    adapter merged into it as PEFT computes it, `W + (lora_alpha / r)·B·A` per `lora_A`/`lora_B` key pair, in
-    `dtype` (training's compute dtype): what any PEFT loader gets, without PEFT (the image has none)."""
+    """The run's base model (`model.path`, or the seeded random init again) with the export's adapter merged as
+    PEFT computes it, `W + (lora_alpha / r)·B·A`, in `dtype`: what a PEFT loader gets, without PEFT (not in the
+    image)."""
     from safetensors.torch import load_file
 
     with open(os.path.join(export_dir, ADAPTER_CONFIG)) as f:
