@@ -36,8 +36,7 @@ from .watchdog import Watchdog
 
 def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
           timeline: Timeline) -> Trainer:
-    """Tokenizer, model, data (a fresh run's task baseline decoding beside it), FSDP2 sharding, optimizer, the
-    resume point and the parts, in that order; `record` is rank 0's run record (None on the other ranks)."""
+    """Build all of the module docstring, in that order; `record` is rank 0's run record (None elsewhere)."""
     cfg, run_dir = loop_config.cfg, loop_config.run_dir
     rank, world = dist.get_rank(), dist.get_world_size()
     write_pid(run_dir, rank)
@@ -160,9 +159,8 @@ def start_watchdog(worker: Worker, record: dict | None, start_step: int) -> Watc
 
 def lora_preflight(cfg: config_lib.RunConfig, run_dir: str, weights: Callable[[], dict], n_frozen: int,
                    bf16: bool) -> dict:
-    """A LoRA run's identity keys (`checkpoints.adapter_identity`, from rank 0's fingerprint of the base weights),
-    and, with `model.lora.merged_export`, rank 0's check that the export's storage has room for the merged
-    weights: both before the first step, on every rank (collective)."""
+    """A LoRA run's identity keys (from rank 0's fingerprint of the base weights) and, with
+    `model.lora.merged_export`, rank 0's check of room for the merged weights; before the first step (collective)."""
     problem = None
     if dist.get_rank() == 0:
         identity = checkpoints.adapter_identity(cfg, weights())

@@ -24,10 +24,9 @@ LOGGED_LOSS_FACTOR = {"loss_spike": 10.0, "nan": float("nan")}
 
 
 def maybe_fail(cfg: config_lib.RunConfig, step: int, rank: int, run_dir: str, in_write: bool = False) -> float | None:
-    """`debug.fail_at_step`: the chosen rank fails on reaching the step as `debug.fail_mode` says, once per run
-    name: `kill`, `exception` and `hang` at the step's start, `disk_full` in the step's checkpoint write
-    (`in_write`). Returns the factor of `loss_spike` and `nan` when they fire (the loop then scales this rank's
-    logged loss by it), else None."""
+    """`debug.fail_at_step`: the chosen rank fails at the step as `debug.fail_mode` says, once per run name (`kill`,
+    `exception`, `hang` at the step's start; `disk_full` in its checkpoint write, `in_write`). Returns the logged
+    loss's factor when `loss_spike` or `nan` fires, else None."""
     d = cfg.debug
     if d.fail_at_step != step or d.fail_rank != rank or in_write != (d.fail_mode == "disk_full"):
         return None
@@ -48,8 +47,8 @@ def maybe_fail(cfg: config_lib.RunConfig, step: int, rank: int, run_dir: str, in
 
 
 class FaultInjection:
-    """`debug.fail_at_step` in one worker. The loop calls `at_step` at each step's start; a `disk_full` fault is
-    armed here in the checkpointer's write (`Checkpointer.injected_write_error`), which then fails the step's save."""
+    """`debug.fail_at_step` in one worker: `at_step` at each step's start; a `disk_full` fault armed in the
+    checkpointer's write (`Checkpointer.injected_write_error`)."""
 
     def __init__(self, cfg: config_lib.RunConfig, rank: int, run_dir: str, checkpointer: Checkpointer):
         self.cfg, self.rank, self.run_dir = cfg, rank, run_dir

@@ -26,11 +26,10 @@ def export_due(cfg: config_lib.RunConfig, run_dir: str) -> bool:
 
 
 def finish(trainer: Trainer, state: LoopState, exporting: bool, acceptance: export.AcceptanceProcess | None) -> dict:
-    """After the last step, on one unsharded copy of the model (gathered once, when first needed): the export (when
-    `exporting`), written first and checked in its own process (`acceptance`, rank 0's) while the parts' last work
-    (the final task evaluation) and the sample run here, all while the last checkpoint's write goes on; that
-    checkpoint is completed before the export's verdict is collected, or last when there is no export or it fails,
-    and always before the job reports success. Returns the results for the run record."""
+    """After the last step, on one unsharded copy of the model (gathered on first need): the export, written first
+    and checked in its own process while the final task evaluation and the sample run here, all beside the last
+    checkpoint's write; that checkpoint is completed before the export's verdict is collected (last without an
+    export or when it fails), always before success. Returns the results for the run record."""
     worker, cfg = trainer.worker, trainer.worker.cfg
     accepted = None
     copies: list[PreTrainedModel] = []
@@ -56,8 +55,7 @@ def finish(trainer: Trainer, state: LoopState, exporting: bool, acceptance: expo
                                    worker.device)
             worker.log({"kind": "sample", "step": cfg.train.max_steps, "prompt": cfg.eval.sample_prompt, "text": text})
         if exporting:
-            # The last save's write is usually done by now: completing it (and pruning the checkpoint it
-            # replaces, seconds for 19 GB) overlaps the export's check, which goes on in its own process.
+            # Completing the last save (and pruning) overlaps the export's check, in its own process.
             with worker.timeline.phase("checkpoint"):
                 trainer.checkpointing.complete(state)
             with worker.timeline.phase("export"):
@@ -83,9 +81,8 @@ def finish(trainer: Trainer, state: LoopState, exporting: bool, acceptance: expo
 
 def start_export(trainer: Trainer, state: LoopState, lm: PreTrainedModel,
                  acceptance: export.AcceptanceProcess | None) -> dict | None:
-    """Writes the export of the final model and starts its check (`export.start_export`) against the final
-    held-out loss (measured here when the loop did not, e.g. a finished run re-run, or on seeded random blocks
-    for runs without a held-out split)."""
+    """Write the final model's export and start its check against the final held-out loss (measured here when the
+    loop did not, on seeded random blocks without a held-out split)."""
     worker, cfg = trainer.worker, trainer.worker.cfg
     heldout, kind = trainer.dataset.validation, "validation"
     if heldout is None:

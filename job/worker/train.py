@@ -1,10 +1,8 @@
-"""The training loop, run once per worker: the same function under Ray Train and under torchrun.
+"""The training loop, run once per worker, the same under Ray Train and torchrun.
 
-`train_loop` (given the driver's `LoopConfig` and the `contract.Launcher` that runs it) sets up the device, the
-process group and the run record, then `fit` reads as three steps: `build.build` (tokenizer, data, model, FSDP2,
-optimizer, resume, the loop's parts) → `train` (the loop: one optimizer step, then each part asked whether its
-work is due: `parts`) → `finish.finish` (last checkpoint, final task evaluation and sample, export). Every phase is
-timed (`metrics.Timeline`), so each run records where its wall time went and its goodput.
+`train_loop` sets up the device, the process group and the run record; `fit` then reads as three steps:
+`build.build` → `train` (one optimizer step, then each part asked whether its work is due) → `finish.finish`. Every
+phase is timed (`metrics.Timeline`), so each run records where its wall time went.
 """
 
 from __future__ import annotations
@@ -38,12 +36,8 @@ RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmu
 
 
 def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
-    """Entry point of every worker: `loop_config` is what the driver prepared; `launcher` (`contract.Launcher`) is
-    what this loop asks of the launcher that runs it.
-
-    Around the training itself (`fit`), rank 0 keeps the run record `run.json`: opened after the preflight,
-    closed with the results, or with the error when anything fails.
-    """
+    """Every worker's entry point, with the driver's `loop_config` and its `launcher`. Around `fit`, rank 0 keeps
+    run.json: opened after the preflight, closed with the results or the error."""
     cfg, run_dir = loop_config.cfg, loop_config.run_dir
     nccl_log_dir = os.path.join(tempfile.gettempdir(), "job-nccl", cfg.name)
     nccl.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation
@@ -99,7 +93,7 @@ def fit(loop_config: LoopConfig, launcher: Launcher, device: torch.device, recor
     """Builds, trains and finishes the run; returns results for the run record (rank 0's are used)."""
     trainer = build(loop_config, launcher, device, record, timeline)
     exporting = export_due(trainer.worker.cfg, trainer.worker.run_dir)
-    # The export's checking process starts now: its imports (~20 s) are long done when the export is written.
+    # The export's checking process starts now, so its imports are done when the export is written.
     acceptance = export.start_acceptance() if exporting else None
     state = LoopState(step=trainer.start_step, interval=Interval.on(device), latest_checkpoint=trainer.resumed_from)
     try:
@@ -168,8 +162,8 @@ def train_step(trainer: Trainer, lr: float) -> StepResult:
 
 @dataclass
 class LoopClock:
-    """The loop's wall time, split at its end into `warmup` (compilation and warm-up: the first step's time
-    beyond a typical step) and `train` (the rest, less the evaluations and checkpoints timed inside it)."""
+    """The loop's wall time, split at its end into `warmup` (the first step's time beyond a typical step) and
+    `train` (the rest, less the phases timed inside it)."""
 
     start: float
     outside_train: float
@@ -208,8 +202,8 @@ class LoopClock:
 
 
 def to_device(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """Copies without making the host wait for the GPU: a copy from pageable memory would block until the
-    GPU has finished all queued work, so the host could not queue the next step's kernels ahead."""
+    """Copy without making the host wait: a copy from pageable memory blocks until the GPU's queue is done, so the
+    host could not queue the next step's kernels ahead."""
     if tensor is None:
         return None
     if device.type == "cuda":

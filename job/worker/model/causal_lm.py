@@ -49,9 +49,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 def weights_fingerprint(cfg: ModelConfig) -> dict:
-    """What the model's weights were: for pretrained weights in a local directory, the sha256 of every weight
-    file and of `config.json` (and the directory's `PROVENANCE.json`, as written by scripts/prepare_model.py);
-    for a hub id, the id and revision; for a random init, the architecture source (the seed is in the record)."""
+    """What the weights were: a local directory's sha256 of every weight file, `config.json` and
+    `PROVENANCE.json`; a hub id and revision; or a random init's architecture source (its seed is in the record)."""
     if cfg.init == "random":
         return {"init": "random", "preset": cfg.preset, "path": cfg.path, "overrides": cfg.overrides}
     out: dict = {"init": "pretrained", "path": cfg.path}
@@ -127,9 +126,8 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class CastCopies(torch.autograd.Function):
-    """Copies of the parameters in another dtype, and in backward their gradients cast back: one foreach copy
-    each way (per-parameter casts cost ~16 ms of host time per forward for Qwen2.5-1.5B's 338 parameters,
-    while the device waited)."""
+    """Copies of the parameters in another dtype, their gradients cast back in backward: one foreach copy each way
+    (per-parameter casts cost ~16 ms of host time per forward for Qwen2.5-1.5B)."""
 
     @staticmethod
     def forward(ctx, dtype: torch.dtype, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -152,12 +150,11 @@ class CastCopies(torch.autograd.Function):
 
 @contextmanager
 def computing_on_copies(lm: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """Within it, each parameter of `lm` is its copy in `dtype` (`CastCopies`), the fp32 parameter again after:
-    what FSDP2's mixed precision gathers, without FSDP2. One copy per parameter, so a tied embedding and head
-    share theirs and their gradients add up in `dtype` before reaching the fp32 weight, as under FSDP2. The
-    copies are put straight into the modules' parameter slots, as `torch.func.functional_call` does, whose
-    per-name lookups cost ~7 ms of host time per forward here. Autograd keeps a copy while a saved
-    activation needs it. Frozen parameters already in `dtype` (LoRA's base) are used as they are."""
+    """Within it, each parameter of `lm` is its copy in `dtype` (`CastCopies`): FSDP2's mixed precision without
+    FSDP2. One copy per parameter, so a tied embedding and head share theirs and their gradients add up in `dtype`
+    before reaching the fp32 weight, as under FSDP2. The copies go straight into the modules' parameter slots
+    (`functional_call`'s per-name lookups cost ~7 ms a forward). Frozen parameters already in `dtype` are used as
+    they are."""
     slots = [(module, name, param) for module in lm.modules() for name, param in module._parameters.items()
              if param is not None and (param.requires_grad or param.dtype != dtype)]
     params = list(dict.fromkeys(param for _, _, param in slots))

@@ -10,11 +10,10 @@ from ...config import ConfigError, LoraConfig
 from .causal_lm import full, plain_name
 
 class LoraLinear(nn.Linear):
-    """A frozen linear layer plus a trainable low-rank update: `W·x + b + (alpha / r)·B·A·dropout(x)`, as PEFT's
-    LoRA layer computes it. The layer keeps its own parameters' names (`weight`, `bias`), so the frozen base
-    reads, gathers and exports as before, and the adapters are `lora_A.weight` (r x in, Kaiming-uniform) and
-    `lora_B.weight` (out x r, zeros: training starts from the base model exactly): PEFT's key names under
-    `base_model.model.` (`adapter_state_dict`)."""
+    """A frozen linear layer plus a trainable low-rank update, `W·x + b + (alpha / r)·B·A·dropout(x)` as PEFT's
+    layer computes it. It keeps its parameters' names, so the base reads, gathers and exports as before; the
+    adapters are `lora_A.weight` (r x in, Kaiming-uniform) and `lora_B.weight` (out x r, zeros: training starts
+    from the base exactly), PEFT's key names."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         with torch.device("meta"):  # the base's parameters are taken over below, not allocated
@@ -38,9 +37,8 @@ class LoraLinear(nn.Linear):
 
 
 def add_adapters(lm: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Freezes every parameter of `lm` and puts a `LoraLinear` in place of each linear layer whose name ends in
-    one of `cfg.targets`; returns their module names. Raises a `ConfigError` naming `model.lora.targets` for a
-    target that matches no linear layer. Seeded like the model: every rank draws the same adapters."""
+    """Freeze `lm` and put a `LoraLinear` in place of each linear layer whose name ends in one of `cfg.targets`;
+    returns their names. `ConfigError` for a target matching none. Seeded: every rank draws the same adapters."""
     linear = {name: module for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
     chosen = [name for name in linear if name.rsplit(".", 1)[-1] in cfg.targets]
     unmatched = [t for t in cfg.targets if not any(name.rsplit(".", 1)[-1] == t for name in chosen)]

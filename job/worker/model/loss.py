@@ -1,16 +1,9 @@
 """Chunked linear + cross-entropy that never materializes the full [N, V] logits.
 
-For a causal LM with vocab V ~ 152k, the logits of N = B*T tokens are N*V*4 bytes in fp32
-(4 x 4096 tokens -> ~10 GB, plus as much again for their gradient). Here the lm-head
-matmul and the loss run over chunks of `chunk_size` tokens, and each chunk's gradients are computed right
-away in forward, so no logits are kept or recomputed: the extra memory is one chunk's logits (~chunk_size*V*
-(2+4) bytes), the hidden-state gradient and an fp32 weight gradient ([V, H]).
-
-    loss_sum, n_tokens = chunked_cross_entropy(hidden, weight, labels, chunk_size=4096)
-    loss = loss_sum / n_tokens.clamp(min=1)
-
-Labels are already shifted (label i is the target of hidden i); `data.IGNORE_INDEX` (-100) marks ignored
-tokens. Matches F.cross_entropy(hidden.float() @ weight.float().T, labels, ignore_index=-100,
+With V ~ 152k, the fp32 logits of 4 x 4096 tokens are ~10 GB, plus as much for their gradient. Here the lm-head
+matmul and the loss run over chunks of `chunk_size` tokens, each chunk's gradients computed right away in forward,
+so no logits are kept or recomputed: the extra memory is one chunk's logits, the hidden-state gradient and an fp32
+weight gradient. Matches F.cross_entropy(hidden.float() @ weight.float().T, labels, ignore_index=-100,
 reduction="sum") up to the input dtype's matmul precision.
 """
 
@@ -52,9 +45,8 @@ def _add_weight_grad(grad_w: Tensor, g: Tensor, h: Tensor) -> Tensor:
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Gradients are computed in forward, chunk by chunk, while each chunk's logits exist (as Liger-Kernel's
-    fused linear cross-entropy does): no logits are kept or recomputed for backward. They are linear in the
-    upstream gradient, a scalar, so backward only scales them."""
+    """Gradients computed in forward, chunk by chunk, while its logits exist (as Liger-Kernel's fused linear
+    cross-entropy does); linear in the scalar upstream gradient, so backward only scales them."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, with_grad: bool) -> Tensor:
@@ -82,9 +74,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
     """Sum of token cross-entropies of `hidden @ weight.T` against `labels`, chunked over tokens.
 
-    hidden [N, H] (bf16 or fp32), weight [V, H] (same dtype; e.g. the tied embedding weight,
-    unsharded), labels [N] int64 with IGNORE_INDEX = ignore. Returns (loss_sum fp32 scalar,
-    n_tokens = number of non-ignored labels, int64 scalar). Gradients flow to hidden and weight.
+    hidden [N, H] (bf16 or fp32), weight [V, H] (same dtype, unsharded), labels [N] int64 already shifted
+    (IGNORE_INDEX: ignored). Returns (fp32 loss sum, int64 count of non-ignored labels); gradients flow to hidden
+    and weight.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N,H], weight [V,H], labels [N]; got {tuple(hidden.shape)}, "

@@ -26,12 +26,10 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """A plain (unsharded) copy of the sharded LM on `device`, in `dtype`: for generation and the export.
 
-    Collective: every rank all-gathers each parameter in turn (so the peak is one full parameter on top of the
-    copy) and gets the whole model. Generation then runs on each rank on its own, without FSDP's per-layer hooks
-    and collectives, so ranks need not stay in lockstep and can stop as soon as their sequences have ended.
-    The copy has its own config: `from_config` would share the LM's, and an attention switch on the copy
-    (`generate.use_grouped_decode`) would switch the training model's too. LoRA layers are merged into plain
-    ones (`LoraLinear.merged_weight`).
+    Collective: every rank all-gathers each parameter in turn (peak: one full parameter beyond the copy). Each
+    rank then generates on its own, without FSDP's hooks and collectives, so ranks need not stay in lockstep. The
+    copy has its own config, or an attention switch on it (`use_grouped_decode`) would switch the training
+    model's too. LoRA layers are merged into plain ones.
     """
     from copy import deepcopy
 
@@ -99,10 +97,9 @@ def float8_eligible(module: nn.Module, fqn: str) -> bool:
 
 
 def convert_to_float8(lm: nn.Module, recipe: str) -> list[str]:
-    """Swaps the LM's eligible linear layers (`float8_eligible`) for torchao's `Float8Linear` with the `recipe`'s
-    scaling (`rowwise` or `tensorwise`), in place; returns their names. Parameters keep their names, dtypes
-    and values (checkpoints, the export and `gathered_copy` see plain linear weights). Call before
-    `torch.compile` and sharding: `parallelize` does. Needs `torchao`."""
+    """Swap the eligible linear layers for torchao's `Float8Linear` with `recipe`'s scaling, in place; returns
+    their names. Parameters keep names, dtypes and values (checkpoints and the export see plain weights). Call
+    before `torch.compile` and sharding, as `parallelize` does."""
     packages.require("torchao", f"parallel.float8: {recipe}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -112,19 +109,16 @@ def convert_to_float8(lm: nn.Module, recipe: str) -> list[str]:
 
 
 def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, bf16: bool) -> CausalLMWithLoss:
-    """Applies FSDP2: `fully_shard` on each decoder layer, then on the root (embeddings, final norm, head); on a
-    one-worker mesh (with `cfg.fsdp: auto`, no CPU offload, no activation checkpointing) nothing is sharded, and with bf16 the model
-    computes on bf16 copies of its fp32 weights itself (`CausalLMWithLoss.compute_dtype`), made once per
-    micro-batch's forward and kept for its backward, as `reshard_after_forward: false` keeps FSDP2's.
+    """Apply FSDP2: `fully_shard` on each decoder layer, then on the root (embeddings, final norm, head). On one
+    worker (`cfg.fsdp: auto`, no CPU offload or activation checkpointing) nothing is sharded, and with bf16 the
+    model computes on bf16 copies of its fp32 weights itself (`CausalLMWithLoss.compute_dtype`), made once per
+    forward and kept for its backward, as `reshard_after_forward: false` keeps FSDP2's.
 
-    First, with `cfg.float8` other than `none`, the linear layers become float8 ones (`convert_to_float8`: all
-    but the head and those whose widths are not multiples of 16; a clear error without torchao or a GPU of
-    compute capability >= 8.9). Then per layer, in order: activation checkpointing (recompute in backward),
-    `torch.compile` (one compiled graph per layer: the layers are identical, so it compiles once), then
-    sharding. With bf16, parameters are gathered and computed in bf16 while the sharded master weights and
-    optimizer state stay fp32; gradients are reduced in `cfg.reduce_dtype`. With LoRA (`add_adapters`) the
-    adapters are trained so; the frozen base is sharded and gathered the same way, or, unsharded with bf16, kept
-    in bf16 (nothing updates it: no fp32 master needed).
+    First the linear layers may become float8 ones (`convert_to_float8`). Then per layer: activation checkpointing,
+    `torch.compile` (one graph per layer: the layers are identical, so it compiles once), sharding. With bf16,
+    parameters are gathered and computed in bf16 while master weights and optimizer state stay fp32; gradients
+    are reduced in `cfg.reduce_dtype`. LoRA's frozen base is sharded the same way or, unsharded with bf16, kept in
+    bf16 (nothing updates it).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
