@@ -1,20 +1,17 @@
 """Optional packages: the features that need a package a Ray training image may lack, and the one error a
 missing one gives.
 
-Everything else the job imports comes with `ray[train]` (torch aside, which every Ray training image brings):
-fsspec and pyarrow (so Parquet files need nothing more), transformers, pyyaml. Four features need more:
+All else the job imports comes with `ray[train]` and torch. Four features need more:
 
-* `s3://` storage and data sources need `s3fs` (fsspec's S3 backend). The AWS Ray Train DLC does not ship it
-  (it has boto3, not s3fs). An s3fs release requires exactly the fsspec of the same version, so the fix names
-  `s3fs==<the fsspec version installed>`: it adds s3fs without moving the image's fsspec.
-* hub data sources (`hf:owner/name`) need `datasets`. The DLC ships it; stock `rayproject/ray` images do not.
-* FP8 linear layers (`parallel.float8`) need `torchao` (float8 training), which no Ray image ships.
-* MLflow tracking (`logging.mlflow.tracking_uri`) needs `mlflow` (`mlflow-skinny`, the client alone), which the
-  DLC does not ship: the chart adds it to `runtimeEnv.pip` when the field is set.
+* `s3://` storage and sources need `s3fs`, which the AWS Ray Train DLC lacks. An s3fs release requires exactly the
+  fsspec of its version, so the fix names `s3fs==<the installed fsspec>`, leaving the image's fsspec in place.
+* hub data sources (`hf:owner/name`) need `datasets` (in the DLC, not in stock `rayproject/ray`).
+* `parallel.float8` needs `torchao`, which no Ray image ships.
+* `logging.mlflow.tracking_uri` needs `mlflow` (`mlflow-skinny`), which the chart then adds to `runtimeEnv.pip`.
 
-`require(module, feature)` imports the package where the feature uses it, or raises `MissingPackage` naming the
-package, the feature and the `runtimeEnv` line that adds it. `check_config(cfg)` runs the same test for every
-feature a run config asks for, so the driver fails at submit time instead of a worker failing mid-run.
+`require` imports the package where the feature uses it, or raises `MissingPackage` naming the package, the
+feature and the `runtimeEnv` line that adds it; `check_config` tests every feature a config asks for, so the driver
+fails at submit time, not a worker mid-run.
 """
 
 from __future__ import annotations

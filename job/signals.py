@@ -1,8 +1,7 @@
-"""How a process of the run is asked to stop, in one place: a signal to the driver ends the run (`Cancelled`); a
-SIGTERM to a worker (what Kubernetes sends before it evicts a pod) or Ray Train's drain signal asks for a save first
-(`catch_preemption`, `preemption_signalled`), after which the ranks end the attempt with `Preempted`, which the
-retry resumes from. Once the worker's loop has returned (`stop_catching_preemption`), a SIGTERM is the ordinary end
-of the worker and goes to the handler it replaced. `records.failures` classifies both exceptions."""
+"""How a process of the run is asked to stop: a signal to the driver ends the run (`Cancelled`); a SIGTERM to a
+worker (Kubernetes' before an eviction) or Ray Train's drain signal asks for a save first, after which the ranks end
+the attempt with `Preempted`, which the retry resumes from. Once the worker's loop has returned, a SIGTERM is the
+worker's ordinary end and goes to the handler it replaced."""
 
 from __future__ import annotations
 
@@ -60,8 +59,8 @@ def catch_preemption() -> bool:
 
 
 def stop_catching_preemption() -> None:
-    """The worker's loop has returned (from any thread): a SIGTERM from now on goes straight to the handler
-    `catch_preemption` replaced (Ray's, which ends the worker), as if it had never been caught."""
+    """The worker's loop has returned (any thread): a SIGTERM now goes to the handler `catch_preemption` replaced
+    (Ray's, which ends the worker)."""
     _loop_returned.append(True)
 
 

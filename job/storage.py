@@ -1,10 +1,8 @@
-"""Run storage: the same few operations on a local directory (a PVC or NFS mount; a `file://` URI is one too)
-and on an object store (`s3://…`, through fsspec and s3fs; credentials from the environment). s3fs is optional (`packages`): without it
-an `s3://` path fails here with the package and the fix named.
+"""Run storage: the same few operations on a local directory (a PVC or NFS mount, a `file://` URI) and on an
+object store (`s3://…` through fsspec and the optional s3fs; credentials from the environment).
 
-Small files (run.json, checkpoint markers) are written atomically: a local file is written beside its target,
-synced and renamed into place; an object-store PUT is already all-or-nothing. So a reader, or a run resumed
-after a crash, never sees half a file.
+Small files are written atomically (locally beside the target, synced and renamed; an object-store PUT is
+all-or-nothing), so a reader, or a run resumed after a crash, never sees half a file.
 """
 
 from __future__ import annotations
@@ -126,10 +124,9 @@ def write_atomic(uri: str, data: bytes | str) -> None:
 
 
 def create_exclusive(uri: str, data: bytes | str) -> bool:
-    """Writes a whole small file only if none is there; False if one is (another writer's, whole). Locally the file
-    is written beside its target and hard-linked into place, which fails if the target exists (atomic on local
-    filesystems and NFS alike); on S3 it is a PUT with `If-None-Match: *` (S3's conditional write). A filesystem
-    with neither raises, rather than letting two writers both believe they created the file."""
+    """Write a whole small file only if none is there; False if one is. Locally it is hard-linked into place, which
+    fails if the target exists (atomic on local filesystems and NFS); on S3 a PUT with `If-None-Match: *`. A
+    filesystem with neither raises, rather than letting two writers both believe they created it."""
     data = data.encode("utf-8") if isinstance(data, str) else data
     if is_remote(uri):
         fs, path = filesystem(uri)

@@ -1,13 +1,10 @@
 """Data sources: files, directories, object storage and hub datasets → rows → examples of the configured format,
-read and checked without torch, so the driver reads every source (and trains a tokenizer on it, if asked) before
-any worker starts; the workers tokenize and pack the same examples (`worker/data.py`).
+read and checked without torch, so the driver reads every source (and trains a tokenizer, if asked) before any
+worker starts; the workers tokenize and pack the same examples (`worker/data.py`).
 
-Sources (`data.train`, `data.validation`) are local or mounted files and directories (JSONL/JSON, Parquet, CSV,
-plain text), fsspec URIs (`s3://…`) and hub datasets (`hf:owner/name` with a revision). JSON lines and CSV are
-read line by line here so a bad row is reported as `file:line`; Parquet through pyarrow, hub datasets through
-`datasets` (optional: see `packages`). Every source is fingerprinted (file sha256 or hub commit, rows
-read/kept/skipped). Each format turns a row into an example: `text` → `{"text"}`, `prompt_completion` → the
-prompt rendered by `data.prompt_template` and the completion, `chat` → `{"messages"}`.
+JSON lines and CSV are read line by line so a bad row is reported as `file:line`; Parquet through pyarrow, hub
+datasets (`hf:owner/name`) through the optional `datasets`. Every source is fingerprinted (file sha256 or hub
+commit, rows read/kept/skipped).
 """
 
 from __future__ import annotations
@@ -57,11 +54,8 @@ class BadRow:
 
 
 def load_source(src: SourceConfig, key: str, max_rows: int = 0) -> Rows:
-    """Reads every row of a source (`key` is its config path, e.g. `data.train`, used in messages).
-
-    Fails fast with a `DataError` naming the source when it is missing, empty or unreachable; bad rows are
-    returned as `BadRow` entries for the caller's policy.
-    """
+    """Every row of a source (`key`: its config path, for messages). `DataError` naming the source when it is
+    missing, empty or unreachable; bad rows come back as `BadRow` for the caller's policy."""
     if src.path == "builtin:python-docs":
         from pydoc_data import topics
 
@@ -304,8 +298,8 @@ def read_examples(cfg: DataConfig, seed: int) -> tuple[Examples, Examples | None
 
 
 def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
-    """The training examples' text, to train a tokenizer on (reads and checks every configured source first,
-    so a bad source fails here, in the driver, before any worker starts)."""
+    """The training examples' text, to train a tokenizer on; reads and checks every source first, so a bad one
+    fails in the driver, before any worker starts."""
     train, _, _ = read_examples(cfg, seed)
     out = []
     for x in train.items:
@@ -319,12 +313,9 @@ def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
 
 
 def train_bpe_tokenizer(documents: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on `documents` (deterministic), with `<|endoftext|>` as EOS and pad.
-
-    It uses Qwen2's normalizer and pre-tokenizer: `AutoTokenizer` loads a tokenizer saved beside a Qwen2 config
-    as `Qwen2Tokenizer`, which rebuilds that pipeline around the saved vocabulary and merges, so an exported
-    model's tokenizer reloads with exactly the token ids it was trained on.
-    """
+    """A byte-level BPE tokenizer trained on `documents` (deterministic), `<|endoftext|>` its EOS and pad. It uses
+    Qwen2's normalizer and pre-tokenizer, which `Qwen2Tokenizer` rebuilds around the saved vocabulary when it loads
+    one beside a Qwen2 config, so an exported model's tokenizer reloads with exactly the ids it trained on."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX

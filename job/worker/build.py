@@ -36,7 +36,8 @@ from .watchdog import Watchdog
 
 def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, record: dict | None,
           timeline: Timeline) -> Trainer:
-    """Build all of the module docstring, in that order; `record` is rank 0's run record (None elsewhere)."""
+    """Tokenizer, model, data (the task baseline beside it), sharding, optimizer, resume point and parts, in that
+    order; `record` is rank 0's run record (None elsewhere)."""
     cfg, run_dir = loop_config.cfg, loop_config.run_dir
     rank, world = dist.get_rank(), dist.get_world_size()
     write_pid(run_dir, rank)

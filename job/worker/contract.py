@@ -1,6 +1,5 @@
 """The contract between the driver and the training loop: what the driver hands every worker (`LoopConfig`) and
-what the loop asks of the launcher that started its process (`Launcher`). Both sides import it; neither imports
-the other for it (the driver's launchers, `driver/launch.py`, implement `Launcher`)."""
+what the loop asks of its launcher (`Launcher`). Both sides import it, neither the other for it."""
 
 from __future__ import annotations
 
@@ -16,16 +15,15 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class LoopConfig:
-    """What the driver (`launch.prepare`) hands every worker's `train.train_loop`. (Ray Train carries it as a plain
-    dict: `launch.ray_loop_config` and `launch.ray_worker_args` convert it, both ways.)"""
+    """What `launch.prepare` hands every worker's `train.train_loop` (as a plain dict under Ray Train:
+    `launch.ray_loop_config`)."""
 
     cfg: config_lib.RunConfig
     """The resolved run config (local paths made absolute: `launch.resolve_paths`)."""
     run_dir: str
     """The run directory, `<storage_path>/<name>` (`launch.run_directory`)."""
     started_at: float
-    """When the driver started (epoch seconds): the start of the run's time accounting, so the `startup` phase
-    includes the driver's imports, Ray's start, its scheduling and the workers' imports (`metrics.Timeline`)."""
+    """When the driver started (epoch seconds): the start of the run's time accounting (`metrics.Timeline`)."""
     startup: dict[str, float] = dataclasses.field(default_factory=dict)
     """When each startup step ended (epoch seconds, in order): the driver's `imports`, `checks` (config,
     packages, storage and model), `ray` (Ray connected or started) and `prepare` (data sources checked, run
@@ -40,9 +38,9 @@ class LoopConfig:
 
 
 class Launcher:
-    """What the training loop (`train.train_loop`) asks of the launcher that started its process, so that it never
-    asks which launcher that is: the device and process group, how rank 0 shows its progress bar, and the final
-    report. One per worker process, built by the driver (`launch.RayLauncher`, `launch.TorchrunLauncher`)."""
+    """What the loop asks of the launcher that started its process, never which one it is: device and process
+    group, progress bar, final report, preemption. One per worker process (`launch.RayLauncher`,
+    `launch.TorchrunLauncher`)."""
 
     def setup_device(self, use_gpu: bool) -> torch.device:
         """This worker's device, with the process group created (before the first collective)."""
