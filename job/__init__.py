@@ -1,10 +1,8 @@
 """FSDP2 fine-tuning of Hugging Face causal LMs under Ray Train, shipped by a Helm chart.
 
-A tree whose folders say the architecture (docs/architecture.md): `driver/` (resolving the run, launching the
-workers, watching them), `worker/` (what runs in each training process), `commands/` (reading runs: the index,
-report, compare), `records/` (writing a run's record), `common/` (what driver and workers share without torch),
-with `config`, `rules`, `storage`, `packages` and `signals` under all; `__main__` is the command line. Imports
-point one way: driver -> worker -> commands -> records -> common -> shared.
+Its folders say the architecture (docs/architecture.md): `driver/`, `worker/`, `commands/` (reading runs),
+`records/` (writing them), `common/` (shared without torch), with `config`, `rules`, `storage`, `packages` and
+`signals` under all. Imports point one way: driver -> worker -> commands -> records -> common -> shared.
 """
 
 import os

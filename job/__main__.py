@@ -7,10 +7,9 @@
     python -m job accept EXPORT_DIR                                re-check an exported model (fresh process)
     python -m job schema                                           JSON Schema of the run config
 
-`run` is `driver/main.py`'s: every problem the checks before any worker starts find (config, optional packages,
-storage, the model's settings, whether the cluster can place the workers) is printed, one line each naming the
-field, with exit status 2; a failed run exits 1 with the workers' error, and a complete run is not started again.
-The other commands import no training code, so they start in well under a second.
+`run` (`driver/main.py`) exits 2 when its checks before any worker starts find a problem (each printed in one line
+naming the field), 1 when the run fails; a complete run is not started again. The other commands import no
+training code, so they start in well under a second.
 """
 
 from __future__ import annotations

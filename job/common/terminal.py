@@ -8,11 +8,9 @@ import os
 
 
 def progress_style(setting: str, terminal: bool, via_ray_driver: bool) -> str | None:
-    """How rank 0 shows its progress bar (`logging.progress_bar`): `tqdm`, drawn by this process on its stderr;
-    `ray` (`via_ray_driver`), `ray.experimental.tqdm_ray`, whose state the worker prints and the Ray driver draws
-    (a Ray worker's stderr is a log file, never a terminal); or None. `auto` shows it when the stream it would be
-    drawn on is a `terminal` (the launcher knows which stream that is: `contract.Launcher.progress_style`);
-    redirected output gets no bar redraws."""
+    """How rank 0 shows its progress bar (`logging.progress_bar`): `tqdm` on this process's stderr; `ray`
+    (`via_ray_driver`: `tqdm_ray`, drawn by the Ray driver, as a Ray worker's stderr is a log file); or None.
+    `auto` shows it when the stream it would be drawn on is a `terminal`, so redirected output gets no redraws."""
     if setting == "off" or (setting == "auto" and not terminal):
         return None
     return "ray" if via_ray_driver else "tqdm"

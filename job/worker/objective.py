@@ -1,10 +1,8 @@
 """The training objective: how a micro-batch becomes the loss the step minimises (`Objective`).
 
-The step (`train.train_step`) asks the objective how many units a host batch holds (`units`: what the loss is a
-sum over), sums them over the global batch, and scales each micro-batch's loss sum by `world / units` before
-backward, so every unit weighs the same however units fall across micro-batches and ranks. Metrics an objective
-adds (sums over the same units, `loss`'s second value) are summed beside the loss and logged per unit at each log
-step (`parts.LogStep`). A new objective is a subclass chosen in `build.build`; the loop does not change.
+The step scales each micro-batch's loss sum by `world / units in the global batch` before backward, so every unit
+weighs the same however units fall across micro-batches and ranks; an objective's metrics (sums over the same units)
+are logged per unit beside the loss. A new objective is a subclass chosen in `build.build` (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ def settings(cfg: config_lib.TrainConfig) -> dict:
 
 
 def changes(state: dict, cfg: config_lib.TrainConfig) -> dict[str, list]:
-    """The schedule's settings that differ from a checkpoint's train state, `{field: [saved, now]}`. The rate
-    is a pure function of the step and these settings, so a change (e.g. a nearer `train.max_steps`, which
-    recomputes the cosine) changes every update from the resumed step on: the losses after the first resumed step
-    then differ from those an attempt with the saved settings logged."""
+    """The schedule's settings that differ from a checkpoint's train state, `{field: [saved, now]}`. The rate is a
+    pure function of the step and these settings, so a change (e.g. a nearer `train.max_steps`) changes every
+    update from the resumed step on, and the losses after it differ from what the saved settings gave."""
     saved = state.get("lr_schedule", {})
     return {field: [saved[field], value] for field, value in settings(cfg).items() if saved.get(field, value) != value}
