@@ -144,8 +144,10 @@ def format_comparison(diffs: dict, a: dict, b: dict, name_a: str, name_b: str) -
 
 
 def main(argv: list[str]) -> int:
-    """`python -m job compare RUN_A RUN_B [--storage STORAGE] [--ignore-config KEY ...]` (`argv` without "compare"):
-    prints the grouped differences; 0 environments identical, 1 they differ, 2 bad input."""
+    """`python -m job compare RUN_A RUN_B [--storage STORAGE] [--ignore-config KEY ...]`; `argv` excludes "compare".
+
+    Prints the grouped differences; exit status 0 environments identical, 1 they differ, 2 bad input.
+    """
     parser = argparse.ArgumentParser(prog="python -m job compare",
                                      description="Compare the run records (run.json) of two runs.")
     parser.add_argument("run_a", help="run directory (local or s3://) holding run.json, or with --storage a run name")

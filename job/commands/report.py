@@ -332,7 +332,10 @@ def write_report(run_dir: str, out: str, plots: bool = True) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m job report ...` (`argv` without "report"): 0 written (perhaps without plots), 2 bad input."""
+    """`python -m job report RUN_DIR [--out DIR] [--no-plots]`; `argv` excludes "report".
+
+    Exit status: 0 written (perhaps without plots), 2 bad input (neither run.json nor metrics.jsonl in RUN_DIR).
+    """
     parser = argparse.ArgumentParser(prog="python -m job report", description="Write report.md and plots for a run.")
     parser.add_argument("run_dir", help="run directory (local or s3://) with run.json and metrics.jsonl, "
                                         "or with --storage a run name")

@@ -160,8 +160,10 @@ def _without_record(fs, name: str, path: str, fs_path: str) -> RunRow | None:
 
 
 def list_runs(storage_path: str) -> list[RunRow]:
-    """Every run directory directly under `storage_path`, as rows, in directory order; `RunsError` when the path
-    cannot be listed (a bad run directory is an `unreadable` row instead)."""
+    """Every run directory directly under `storage_path`, as rows, in directory order.
+
+    `RunsError` when the path cannot be listed; a bad run directory is an `unreadable` row instead.
+    """
     try:
         fs, root = storage.filesystem(storage_path)
         entries = fs.ls(root, detail=True)

@@ -54,8 +54,11 @@ class BadRow:
 
 
 def load_source(src: SourceConfig, key: str, max_rows: int = 0) -> Rows:
-    """Every row of a source (`key`: its config path, for messages). `DataError` naming the source when it is
-    missing, empty or unreachable; bad rows come back as `BadRow` for the caller's policy."""
+    """Every row of a source (`key`: its config path, for messages).
+
+    `DataError` naming the source when it is missing, empty or unreachable; bad rows come back as `BadRow` for the
+    caller's policy.
+    """
     if src.path == "builtin:python-docs":
         from pydoc_data import topics
 
@@ -313,9 +316,11 @@ def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
 
 
 def train_bpe_tokenizer(documents: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on `documents` (deterministic), `<|endoftext|>` its EOS and pad. It uses
-    Qwen2's normalizer and pre-tokenizer, which `Qwen2Tokenizer` rebuilds around the saved vocabulary when it loads
-    one beside a Qwen2 config, so an exported model's tokenizer reloads with exactly the ids it trained on."""
+    """A byte-level BPE tokenizer trained on `documents` (deterministic), with `<|endoftext|>` as EOS and pad.
+
+    It uses Qwen2's normalizer and pre-tokenizer, which `Qwen2Tokenizer` rebuilds around the saved vocabulary when
+    it loads one beside a Qwen2 config, so an exported model's tokenizer reloads with exactly the ids it trained on.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX

@@ -24,9 +24,11 @@ INTRA_NODE_ORDER = ("nvls", "nvlink", "p2p", "shm", "net", "socket")
 
 
 def nccl_debug_env(log_dir: str) -> dict[str, str]:
-    """Environment variables that make NCCL write its INFO log to `<log_dir>/nccl.<host>.<pid>.log` (NCCL's `%h`,
-    `%p`), one file per process. `log_dir` must be local (NCCL opens the file); see `enable_nccl_debug` for when
-    they take effect."""
+    """Environment variables that make NCCL write its INFO log to one file per process.
+
+    `<log_dir>/nccl.<host>.<pid>.log` (NCCL's `%h`, `%p`); `log_dir` must be local (NCCL opens the file). See
+    `enable_nccl_debug` for when they take effect.
+    """
     return {
         "NCCL_DEBUG": "INFO",
         "NCCL_DEBUG_SUBSYS": NCCL_DEBUG_SUBSYS,
@@ -337,9 +339,11 @@ def _selected_network(scan: _LogScan) -> dict:
 
 
 def gloo_transport() -> dict:
-    """Transport entry for gloo (CPU runs and tests), keys as `parse_nccl_transport`'s: gloo reaches every peer,
-    local or not, over TCP on `GLOO_SOCKET_IFNAME` (default: the hostname's address), so `net` and `intra_node`
-    are socket."""
+    """Transport entry for the gloo backend (CPU runs and tests), keys as `parse_nccl_transport`'s.
+
+    Gloo reaches every peer, local or not, over TCP on `GLOO_SOCKET_IFNAME` (default: the hostname's address), so
+    `net` and `intra_node` are socket.
+    """
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     line = f"gloo: TCP sockets on {iface or 'the interface of the hostname address'}"
     entry = _transport_template("gloo")
@@ -349,8 +353,11 @@ def gloo_transport() -> dict:
 
 
 def worker_transport(backend: str, log_dir: str | None = None, *, pid: int | None = None) -> dict:
-    """This process's transport entry for `backend`: `gloo_transport`, or `parse_nccl_transport` of its NCCL log
-    in `log_dir` (call after a collective); without a log, `net` is None and `reason` says why."""
+    """Transport entry of this worker process, for the process-group `backend` in use.
+
+    `gloo_transport`, or `parse_nccl_transport` of its NCCL log in `log_dir` (call after a collective); without a
+    log, `net` is None and `reason` says why.
+    """
     if "nccl" not in backend:
         entry = gloo_transport()
         entry["backend"] = backend

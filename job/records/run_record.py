@@ -59,8 +59,10 @@ def _now() -> str:
 
 
 def chart_metadata(env: Mapping[str, str] | None = None) -> dict:
-    """Chart name/version, release and values hash from the chart's env vars; a missing one is `"unknown"`, its
-    `unknown_reasons[field]` naming the unset variable."""
+    """Chart name/version, release and values hash from the env vars the chart sets.
+
+    A missing one is `"unknown"`, `unknown_reasons[field]` naming the unset variable.
+    """
     env = os.environ if env is None else env
     out: dict[str, Any] = {}
     reasons = {}
@@ -256,8 +258,11 @@ _UPDATABLE = ("metrics", "evaluation", "checkpoints", "export", "seed", "preflig
 
 def update_record(run_dir: str, record: dict, *, dataset: dict | None = None,
                   tokenizer_sha256: str | None = None, **updates) -> dict:
-    """Merge `updates` into `record` and rewrite `run.json` (rank 0, any time mid-run). Keys beyond `dataset`,
-    `tokenizer_sha256` and `_UPDATABLE` go under `extra`: a typo never crashes the end of a long run."""
+    """Merge `updates` into `record` and rewrite `run.json` (rank 0; any time mid-run).
+
+    Keys beyond `dataset`, `tokenizer_sha256` and `_UPDATABLE` go under `extra`: a typo never crashes the end of a
+    long run.
+    """
     if dataset is not None:
         record["data"]["fingerprint"] = dataset
     if tokenizer_sha256 is not None:
@@ -549,9 +554,12 @@ def _median(values: list[float]) -> float | None:
 
 
 def summarize_metrics(rows: Iterable[dict]) -> dict:
-    """Summary of metrics.jsonl rows for the record and the report: throughput and MFU are medians over the second
-    half of the train steps (the first includes compilation and warm-up), peak memory the maximum, `task_eval` the
-    last result per task; method, LoRA rank and trainable parameters come from the start row."""
+    """Summary of metrics.jsonl rows for the record and the report.
+
+    Throughput and MFU are medians over the second half of the train steps (the first includes compilation and
+    warm-up), peak memory the maximum, `task_eval` the last result per task; method, LoRA rank and trainable
+    parameters come from the start row.
+    """
     rows = list(rows)
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r.get("step", 0))
     evals = sorted((r for r in rows if r.get("kind") == "eval" and r.get("eval_loss") is not None),

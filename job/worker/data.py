@@ -122,9 +122,12 @@ def render_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, templa
 
 
 def chat_ids_and_mask(messages: list[dict], tokenizer: PreTrainedTokenizerBase, template: str | None) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and the mask of assistant-turn tokens: turn i spans the characters
-    from messages[:i] rendered with the generation prompt to messages[:i+1] rendered (content and end-of-turn
-    markup); a token starting inside is a target. Needs a template that renders prefixes as prefixes."""
+    """Token ids of the rendered conversation and the mask of assistant-turn tokens.
+
+    Turn i spans the characters from messages[:i] rendered with the generation prompt to messages[:i+1] rendered
+    (content and end-of-turn markup); a token starting inside is a target. Needs a template that renders prefixes
+    as prefixes.
+    """
     full = render_chat(messages, tokenizer, template)
     spans = []
     for i, m in enumerate(messages):
@@ -224,8 +227,11 @@ def pad_documents(stream: TokenStream, seq_len: int, pad_id: int = 0) -> tuple[B
 def micro_batches(
     blocks: Blocks, batch_size: int, rank: int, world_size: int, seed: int, start: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless micro-batches for one rank from its `start`-th. Each epoch is a seeded permutation of all blocks;
-    rank r takes positions r, r+W, …, so ranks share no block and have as many batches (the remainder dropped)."""
+    """Endless micro-batches for one rank, starting at this rank's `start`-th micro-batch.
+
+    Each epoch is a seeded permutation of all blocks; rank r takes positions r, r+W, …, so ranks share no block
+    and have as many batches (the remainder dropped).
+    """
     per_rank = len(blocks) // world_size // batch_size
     if per_rank == 0:
         raise DataError(

@@ -253,9 +253,11 @@ PROFILE_CATEGORIES = [
 
 
 class StepProfiler:
-    """Profiles one training step on rank 0: device time by category and by kernel. The step is synchronized at
-    both ends, so measured alone (slightly slower than pipelined); busy time is the union of kernel intervals, the
-    rest of its wall time the device waiting (launch overhead, syncs, data)."""
+    """Profiles one training step on rank 0: where the device time goes, by category and by kernel.
+
+    The step is synchronized at both ends, so measured alone (slightly slower than pipelined); busy time is the
+    union of kernel intervals, the rest of its wall time the device waiting (launch overhead, syncs, data).
+    """
 
     def __init__(self, device: torch.device):
         from torch.profiler import ProfilerActivity, profile

@@ -36,8 +36,10 @@ RECORD_ONLY_PREFLIGHT = config_lib.PreflightConfig(sizes_mib=[1], iters=1, warmu
 
 
 def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
-    """Every worker's entry point, with the driver's `loop_config` and its `launcher`. Around `fit`, rank 0 keeps
-    run.json: opened after the preflight, closed with the results or the error."""
+    """Entry point of every worker: `loop_config` is what the driver prepared, `launcher` what runs this loop.
+
+    Around `fit`, rank 0 keeps run.json: opened after the preflight, closed with the results or the error.
+    """
     cfg, run_dir = loop_config.cfg, loop_config.run_dir
     nccl_log_dir = os.path.join(tempfile.gettempdir(), "job-nccl", cfg.name)
     nccl.enable_nccl_debug(nccl_log_dir)  # before the first collective: NCCL reads it at communicator creation

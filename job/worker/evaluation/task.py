@@ -136,8 +136,10 @@ def kv_cache_bytes(config, batch: int, length: int, dtype: torch.dtype) -> int:
 @torch.no_grad()
 def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
                 rank: int, world: int, device: torch.device) -> TaskShare:
-    """This rank's share (`rank_items`) decoded in batches of `eval.task_batch_size` and scored; no collectives, so
-    it may run in a thread."""
+    """This rank's share of a task evaluation, decoded and scored; no collectives (it may run in a thread).
+
+    The share is `rank_items`'s, decoded in batches of `eval.task_batch_size`.
+    """
     start = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the current device is per thread
