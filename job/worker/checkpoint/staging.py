@@ -127,7 +127,8 @@ MADV_POPULATE_WRITE = 23
 
 def host_buffer(shape: torch.Size, dtype: torch.dtype, shared: bool) -> torch.Tensor:
     """An empty tensor in a page-aligned mapping of its own: shared memory, which the writer process maps too
-    (created there: `share_memory_()` would copy it in holding the interpreter lock), or anonymous memory."""
+    (created there: `share_memory_()` would copy it in holding the interpreter lock, ~10 ms per 55 MB), or anonymous
+    memory."""
     nbytes = shape.numel() * dtype.itemsize
     if not nbytes:
         return torch.empty(shape, dtype=dtype)

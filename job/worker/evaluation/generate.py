@@ -6,7 +6,8 @@ token for token (tests/test_generate.py), without its per-step host work:
   terabytes at a batch of hundreds);
 * decode state in device tensors, so on a GPU a step is captured as a CUDA graph and replayed;
 * whether every row has ended asked only every `CHECK_EVERY` steps, the output cut where `generate` would stop;
-* ended rows dropped from the steps (`DROP_ENDED_BELOW`; half the rows: 0.68x the step's time);
+* ended rows dropped from the steps (`DROP_ENDED_BELOW`; half the rows: 0.68x the step's time, a 256-token
+  GSM8K decode 17% shorter);
 * grouped-query attention on the key/value heads as they are (`sdpa_grouped_decode`).
 Other models (attention other than SDPA, sliding-window layers) go through `generate`, as `Generated.decode` says.
 GSM8K's 1,319 test questions with Qwen2.5-Coder-1.5B on an H200: 10.7 s through `generate`, 9.0 s here, the same
