@@ -412,8 +412,8 @@ def test_a_workers_sigterm_is_a_preemption_until_its_loop_returns_then_goes_to_t
         monkeypatch, capsys):
     """During the loop a SIGTERM is noted and said, not obeyed; once the loop has returned (Ray ending the worker
     after a finished run) it goes to the handler `catch_preemption` replaced, with no claim of a save."""
-    monkeypatch.setattr(failures, "_preemption_signals", [])
-    monkeypatch.setattr(failures, "_loop_returned", [])
+    monkeypatch.setattr(signals, "_preemption_signals", [])
+    monkeypatch.setattr(signals, "_loop_returned", [])
     replaced = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: replaced.append(signum))
     try:
@@ -422,7 +422,7 @@ def test_a_workers_sigterm_is_a_preemption_until_its_loop_returns_then_goes_to_t
         assert signals.preemption_signalled() and replaced == []
         assert "saving a checkpoint at the ranks' next log step" in capsys.readouterr().out
 
-        monkeypatch.setattr(failures, "_preemption_signals", [])
+        monkeypatch.setattr(signals, "_preemption_signals", [])
         assert signals.catch_preemption()
         signals.stop_catching_preemption()
         signal.raise_signal(signal.SIGTERM)
@@ -623,7 +623,7 @@ def test_a_hung_rank_fails_the_run_as_a_hang_naming_it_from_every_ranks_stacks(t
     assert err["message"].endswith(" in maybe_fail"), err["message"]
     sleeper, waiter = ((stacks / f"attempt-1-rank{r}.txt").read_text() for r in (1, 0))
     assert "in maybe_fail\n    time.sleep(60)" in sleeper  # rank 1 sleeps before the step's first collective
-    assert "in train_step\n    dist.all_reduce(global_targets)" in waiter  # rank 0 waits in it
+    assert "in train_step\n    dist.all_reduce(global_units)" in waiter  # rank 0 waits in it
     assert json.loads(waiter.split("\n")[1]) | {"at": None} == {"rank": 0, "step": 5, "in_collective": True, "at": None}
 
 
