@@ -375,8 +375,9 @@ class LoggingConfig:
     progress_bar: Literal["auto", "on", "off"] = "auto"
     """Progress bar of the training steps: under Ray the driver draws it (`ray.experimental.tqdm_ray`: the workers'
     stderr is never a terminal), under torchrun rank 0 on its stderr; `auto` shows it only when that stream is a
-    terminal, so redirected output gets no bar redraws; `on` always. A terminal with no width (`script` without a
-    terminal of its own) counts as none: tqdm draws nothing there."""
+    terminal, so redirected output gets no bar redraws; `on` always (`true`, `false` mean `on`, `off`: YAML 1.1
+    reads an unquoted on/off as a boolean). A terminal with no width (`script` without a terminal of its own)
+    counts as none: tqdm draws nothing there."""
     peak_flops: Optional[float] = None
     """Peak dense bf16 FLOP/s per device for MFU; defaults to a table keyed by device name."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
@@ -582,6 +583,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         for arg in (a for a in args if a is not type(None)):
             return _convert(value, arg, path)
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(typing.get_args(tp)):
+            return "on" if value else "off"  # YAML 1.1 (PyYAML, Helm's values) reads on/off as booleans
         if value in typing.get_args(tp):
             return value
         raise fail
@@ -747,7 +750,8 @@ def _schema(tp: Any) -> dict:
         types_ = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         return {**schema, "type": [*types_, "null"]}
     if origin is Literal:
-        return {"enum": list(typing.get_args(tp))}
+        values = list(typing.get_args(tp))
+        return {"enum": values + [True, False] if {"on", "off"} <= set(values) else values}  # on/off read as booleans
     if origin is list:
         return {"type": "array", "items": _schema(typing.get_args(tp)[0])}
     if origin is dict:

@@ -169,7 +169,7 @@ RULES = (
          "loss_spike needs its check on: train.loss_spike_factor is 0"),
     Rule("debug.profile_step", "debug.profile_step is not None and debug.profile_step > train.max_steps",
          "must be within [1, train.max_steps={train.max_steps}], got {debug.profile_step}"),
-    Rule("debug.fail_rank", "debug.fail_rank >= scaling.num_workers",
+    Rule("debug.fail_rank", "scaling.num_workers >= 1 and debug.fail_rank >= scaling.num_workers",
          "must be within [0, scaling.num_workers={scaling.num_workers}), got {debug.fail_rank}"),
 )
 

@@ -146,7 +146,7 @@ message, its field paths prefixed run. */}}
 {{- if (and (not (kindIs "invalid" (index $r "debug" "profile_step"))) (gt (int (index $r "debug" "profile_step")) (int (index $r "train" "max_steps")))) }}
 {{- fail (printf "run.debug.profile_step: must be within [1, run.train.max_steps=%d], got %d" (int (index $r "train" "max_steps")) (int (index $r "debug" "profile_step"))) }}
 {{- end }}
-{{- if (ge (int (index $r "debug" "fail_rank")) (int (index $r "scaling" "num_workers"))) }}
+{{- if (and (ge (int (index $r "scaling" "num_workers")) 1) (ge (int (index $r "debug" "fail_rank")) (int (index $r "scaling" "num_workers")))) }}
 {{- fail (printf "run.debug.fail_rank: must be within [0, run.scaling.num_workers=%d), got %d" (int (index $r "scaling" "num_workers")) (int (index $r "debug" "fail_rank"))) }}
 {{- end }}
 {{- end }}

@@ -521,6 +521,13 @@ def test_set_passes_floats_as_numbers():
     assert names_field(render_error("--set", "run.train.lr=fast"), "/run/train/lr")
 
 
+def test_a_progress_bar_written_on_in_values_is_on(tmp_path):
+    """YAML 1.1 reads `on` as true in a values file: the schema takes it and the job reads it as `on`."""
+    values = tmp_path / "values.yaml"
+    values.write_text("run:\n  logging:\n    progress_bar: on\n")
+    assert load_dict(run_config(render("-f", str(values)))).logging.progress_bar == "on"
+
+
 def test_works_as_a_subchart(tmp_path):
     umbrella = tmp_path / "umbrella"
     (umbrella / "charts").mkdir(parents=True)

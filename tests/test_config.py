@@ -241,3 +241,19 @@ def test_a_rule_outside_the_rules_language_is_refused():
     assert rules.Rule("train.seed", "train.seed in (0, 1) and not starts(name, 'x')", "x").broken(cfg)
     with pytest.raises(ValueError, match="not part of the rules' language"):
         rules.Rule("train.betas", "len(train.betas) > 2", "x").broken(cfg)
+
+
+def test_progress_bar_on_and_off_as_yaml_reads_them():
+    """The documented `on`/`off` arrive as booleans from YAML 1.1 (PyYAML, Helm's values): both mean what they say,
+    and a wrong value is shown as typed."""
+    for text, shown in (("on", "on"), ("off", "off"), ("true", "on"), ("auto", "auto")):
+        raw = yaml.safe_load(f"logging: {{progress_bar: {text}}}")
+        assert config_lib.load_dict({**VALID, **raw}).logging.progress_bar == shown
+    with pytest.raises(config_lib.ConfigError, match=r"^logging.progress_bar: expected 'auto' \| 'on' \| 'off', got 'sometimes'$"):
+        config_lib.load_dict({**VALID, "logging": {"progress_bar": "sometimes"}})
+
+
+def test_no_workers_is_one_error_naming_the_field_set():
+    with pytest.raises(config_lib.ConfigError) as info:
+        config_lib.load_dict({**VALID, "scaling": {"num_workers": 0}})
+    assert info.value.messages == ["scaling.num_workers: must be > 0, got 0"]

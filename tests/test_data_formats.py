@@ -223,6 +223,17 @@ def test_bad_rows_report_file_and_line(tmp_path):
         sources.read_examples(cfg, seed=0)
 
 
+def test_a_number_where_text_belongs_is_a_bad_row(tmp_path):
+    """A JSON number in a text column is not turned into text and trained on: the row is bad, named by file:line
+    (and skipped and counted under `data.bad_rows: skip`)."""
+    path = write_jsonl(tmp_path / "numbers.jsonl", [{"text": "words"}, {"text": 5}, {"text": 2.5}])
+    with pytest.raises(sources.DataError, match=rf"^data.train: {path}:2: column 'text' \(data.columns.text\): "
+                                                r"expected str, got int"):
+        sources.read_examples(data_cfg(format="text", train=path, validation_fraction=0), seed=0)
+    train, _, _ = sources.read_examples(data_cfg(format="text", train=path, validation_fraction=0, bad_rows="skip"), 0)
+    assert [x["text"] for x in train.items] == ["words"] and train.info["rows_skipped"] == 2
+
+
 def test_directory_of_csv_parquet_json_and_fsspec_uri(tmp_path):
     import fsspec
     import pyarrow as pa

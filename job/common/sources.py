@@ -246,8 +246,6 @@ def _column(row: dict, name: str, key: str, want: type) -> Any:
     if name not in row or row[name] is None:
         raise DataError(f"missing column {name!r} (data.columns.{key}); the row has {sorted(row)}")
     value = row[name]
-    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)
     if not isinstance(value, want):
         raise DataError(f"column {name!r} (data.columns.{key}): expected {want.__name__}, got {type(value).__name__}")
     return value
