@@ -37,9 +37,20 @@ COMMANDS = """commands:
   schema              JSON Schema of the run config"""
 
 
+VERBS = ("run", "runs", "compare", "report", "accept", "schema")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in VERBS:
+        print(f"python -m job: unknown command {argv[0]!r} (commands: {', '.join(VERBS)}; python -m job --help)",
+              file=sys.stderr)
+        return 2
     if argv[:1] == ["schema"]:
+        if argv[1:] in (["-h"], ["--help"]):
+            print("usage: python -m job schema\n\nPrints the run config's JSON Schema (values.schema.json's run: is "
+                  "generated from it).")
+            return 0
         if argv[1:]:
             print(f"schema: takes no arguments, got {' '.join(argv[1:])}", file=sys.stderr)
             return 2

@@ -547,6 +547,23 @@ def small_tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+def test_a_full_disk_at_the_start_is_named_as_one(tmp_path, capsys):
+    """A storage with no room left is refused before anything starts, as the full disk it is."""
+    from job.__main__ import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(tiny_run_config(tmp_path)))
+    with small_tmpfs(tmp_path / "full", "1m"):
+        with open(tmp_path / "full" / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        code = main(["--config", str(config), "--set", f"storage_path={tmp_path / 'full'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config error: storage_path: cannot create and write the run directory" in err, err
+    assert "No space left on device" in err and "lease" not in err, err
+
+
 def test_a_really_full_disk_ends_failed_disk_full_with_the_partial_save_removed(tmp_path, ray_cluster):
     # drills.sh disk-full in CI: run storage of 2 MiB holds one checkpoint, not two. The save of step 8 fills it
     # while in flight, so the loop's next write (its metrics) fails first; the attempt removes the partial save,

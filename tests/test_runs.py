@@ -285,6 +285,7 @@ CLI_MISTAKES = {
     "accept a file": ["accept", "{file}"],
     "accept a run directory": ["accept", "{good_run}"],
     "schema with an argument": ["schema", "extra"],
+    "an unknown command": ["rport", "{good_run}"],
     "config a directory": ["--config", "{tmp}"],
     "config a list": ["--config", "{list_yaml}"],
     "config nothing": ["--config", "{tmp}/nope.yaml"],
@@ -319,3 +320,13 @@ def test_every_verb_answers_a_mistake_with_one_line_and_a_failing_status(argv, s
     code = main([arg.format(**paths) for arg in argv])
     err = capsys.readouterr().err.strip()
     assert code not in (0, None) and len(err.splitlines()) == 1 and "Traceback" not in err, (code, err)
+
+
+def test_the_command_line_names_what_is_missing_and_helps_every_verb(tmp_path, capsys):
+    from job.__main__ import main
+
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"report: {tmp_path / 'nope'}: no such run directory\n"
+    assert main(["rport", "x"]) == 2
+    assert "unknown command 'rport' (commands: run, runs, compare, report, accept, schema" in capsys.readouterr().err
+    assert main(["schema", "--help"]) == 0 and capsys.readouterr().out.startswith("usage: python -m job schema")

@@ -299,6 +299,8 @@ def write_report(run_dir: str, out: str, plots: bool = True) -> list[str]:
     """Write `<out>/report.md` (and, with `plots`, the plots) for the run at `run_dir`; returns the names written,
     report.md first. `ReportError` (one line) when the run cannot be read or `out` not created; a plot that cannot
     be drawn is a note in the report and on stderr."""
+    if not storage.exists(run_dir):
+        raise ReportError(f"{run_dir}: no such run directory")
     notes: list[str] = []
     try:
         record = run_record.load_record(run_dir)

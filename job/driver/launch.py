@@ -84,7 +84,7 @@ def _storage_problems(run_dir: str) -> list[str]:
     try:
         fs, path = storage.filesystem(run_dir)
         fs.makedirs(path, exist_ok=True)
-        storage.write_atomic(probe, b"")
+        storage.write_atomic(probe, b"probe\n")  # some bytes: a full disk still creates an empty file
         storage.remove(probe)
     except Exception as e:  # OSError locally; object stores raise their own (credentials, missing bucket)
         return [f"storage_path: cannot create and write the run directory {run_dir} ({type(e).__name__}: {e})"]
