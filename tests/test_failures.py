@@ -228,6 +228,22 @@ def _driver(tmp_path, name, workers=1, max_failures=0, **sections):
     return cmd, env, os.path.join(raw["storage_path"], name)
 
 
+def test_a_failed_attempt_keeps_the_training_it_did_in_its_goodput(tmp_path):
+    """A run that fails after training some steps shows the time it trained (goodput above 0), in run.json and in
+    `python -m job runs`."""
+    from job.__main__ import main
+
+    cmd, env, run_dir = _driver(tmp_path, "partial", train={"max_steps": 12, "warmup_steps": 1},
+                                debug={"fail_at_step": 9, "fail_mode": "exception"})
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    time_ = run_record.load_record(run_dir)["time"]
+    assert time_["phases_s"]["train"] > 0 and time_["goodput"] > 0, time_
+    rows = json.loads(subprocess.run([sys.executable, "-m", "job", "runs", os.path.dirname(run_dir), "--json"],
+                                     cwd=REPO, capture_output=True, text=True, check=True).stdout)
+    assert rows[0]["status"] == "failed" and rows[0]["goodput"] == time_["goodput"] > 0
+
+
 def test_lost_rank0_ends_failed_worker_lost(tmp_path):
     cmd, env, run_dir = _driver(tmp_path, "lost", train={"max_steps": 20, "warmup_steps": 1},
                                 checkpoint={"every_steps": 10}, debug={"fail_at_step": 15, "fail_rank": 0})

@@ -118,22 +118,27 @@ def train(trainer: Trainer, state: LoopState) -> None:
     for part in trainer.parts:
         part.start(state)
     clock = LoopClock.begin(trainer)
-    for step in range(trainer.start_step + 1, cfg.train.max_steps + 1):
-        state.begin_step(step)
-        logged_loss_factor = trainer.faults.at_step(step)  # debug.fail_at_step; 1.0 but after a loss_spike or nan
-        profiler = StepProfiler(trainer.worker.device) if trainer.worker.logger and step == cfg.debug.profile_step else None
-        state.lr = schedule.learning_rate(step, cfg.train)
-        result = train_step(trainer, state.lr)
-        state.grad_norm = result.grad_norm
-        state.interval.add(result, logged_loss_factor, cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len)
-        if profiler:
-            trainer.worker.log({"kind": "profile", "step": step, **profiler.finish(trainer.worker.run_dir, step)})
-        if clock.first_step_s is None:
-            clock.first_step_done(trainer)
-        trainer.watchdog.step_done(step)
-        for part in trainer.parts:
-            if part.due(state):
-                part.run(state)
+    tokens_per_step = cfg.train.grad_accum_steps * cfg.train.micro_batch_size * cfg.train.seq_len
+    try:
+        for step in range(trainer.start_step + 1, cfg.train.max_steps + 1):
+            state.begin_step(step)
+            logged_loss_factor = trainer.faults.at_step(step)  # debug.fail_at_step; 1.0 but after a spike or nan
+            profiler = StepProfiler(trainer.worker.device) if trainer.worker.logger and step == cfg.debug.profile_step \
+                else None
+            state.lr = schedule.learning_rate(step, cfg.train)
+            result = train_step(trainer, state.lr)
+            state.grad_norm = result.grad_norm
+            state.interval.add(result, logged_loss_factor, tokens_per_step)
+            if profiler:
+                trainer.worker.log({"kind": "profile", "step": step, **profiler.finish(trainer.worker.run_dir, step)})
+            clock.step_done(trainer)
+            trainer.watchdog.step_done(step)
+            for part in trainer.parts:
+                if part.due(state):
+                    part.run(state)
+    except BaseException:
+        clock.account(trainer, sync=False)  # what an attempt that fails has trained counts too; the device may be
+        raise                              # what failed: no sync
     clock.account(trainer)
 
 
@@ -171,6 +176,8 @@ class LoopClock:
     outside_train: float
     """The seconds of the phases timed inside the loop (eval, checkpoint, task_eval) spent before it began."""
     first_step_s: float | None = None
+    steps: int = 0
+    """Steps finished since the loop began."""
 
     PHASES_INSIDE = ("eval", "checkpoint", "task_eval")
 
@@ -183,24 +190,30 @@ class LoopClock:
         timeline.sync()
         return cls(time.perf_counter(), sum(timeline.seconds[p] for p in cls.PHASES_INSIDE))
 
-    def first_step_done(self, trainer: Trainer) -> None:
-        """After the first step: everything the training step compiles has been compiled (and is kept on the
-        storage for the next attempt, `compile_cache`)."""
+    def step_done(self, trainer: Trainer) -> None:
+        """After each step; after the first, everything the training step compiles has been compiled (and is kept
+        on the storage for the next attempt, `compile_cache`)."""
+        self.steps += 1
+        if self.steps > 1:
+            return
         if trainer.compile_cache and trainer.worker.rank == 0:
             compile_cache.save(trainer.compile_cache)
         trainer.worker.timeline.sync()
         self.first_step_s = time.perf_counter() - self.start
 
-    def account(self, trainer: Trainer) -> None:
+    def account(self, trainer: Trainer, sync: bool = True) -> None:
+        """The loop's time into `warmup` and `train`, over the steps it finished (none finished: left as `other`)."""
         timeline = trainer.worker.timeline
-        timeline.sync()
+        if sync:
+            timeline.sync()
         loop_s = time.perf_counter() - self.start
         train_s = loop_s - (sum(timeline.seconds[p] for p in self.PHASES_INSIDE) - self.outside_train)
-        steps = trainer.worker.cfg.train.max_steps - trainer.start_step
-        if steps:
-            warmup = max(0.0, self.first_step_s - (train_s - self.first_step_s) / (steps - 1)) if steps > 1 else 0.0
-            timeline.add("warmup", warmup)
-            timeline.add("train", train_s - warmup)
+        if self.first_step_s is None:
+            return
+        steps = self.steps
+        warmup = max(0.0, self.first_step_s - (train_s - self.first_step_s) / (steps - 1)) if steps > 1 else 0.0
+        timeline.add("warmup", warmup)
+        timeline.add("train", train_s - warmup)
 
 
 def to_device(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
