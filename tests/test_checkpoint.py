@@ -227,7 +227,7 @@ def test_trainer_has_no_placement_group_cleaner():
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-    trainer = launch.trainer_class(TorchTrainer)(lambda config: None, scaling_config=ScalingConfig(num_workers=1))
+    trainer = launch.trainer_class(TorchTrainer, "/nowhere")(lambda config: None, scaling_config=ScalingConfig(num_workers=1))
     callbacks = trainer._create_default_callbacks()
     assert callbacks and not any(isinstance(cb, PlacementGroupCleanerCallback) for cb in callbacks)
     assert any(isinstance(cb, PlacementGroupCleanerCallback) for cb in TorchTrainer(

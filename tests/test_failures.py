@@ -244,6 +244,29 @@ def test_a_failed_attempt_keeps_the_training_it_did_in_its_goodput(tmp_path):
     assert rows[0]["status"] == "failed" and rows[0]["goodput"] == time_["goodput"] > 0
 
 
+def test_a_lost_worker_is_blamed_on_its_own_rank_and_a_retry_keeps_the_cause(tmp_path):
+    """Rank 1 killed: the record names rank 1 as lost (and rank 0 as the one that noticed, when it recorded its
+    peer's error first); retried within the run, the lost attempt keeps that cause in `previous_attempts`."""
+    args = dict(workers=2, train={"max_steps": 10, "warmup_steps": 1}, checkpoint={"every_steps": 4},
+                debug={"fail_at_step": 6, "fail_rank": 1})
+    cmd, env, run_dir = _driver(tmp_path, "lost1", **args)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = run_record.load_record(run_dir)["error"]
+    assert (error["class"], error["reason"], error["rank"]) == ("infrastructure", "worker_lost", 1), error
+    assert error.get("noticed_by") in (None, 0), error
+    assert "run failed: infrastructure/worker_lost at step" in proc.stderr and "rank 1" in proc.stderr, proc.stderr
+
+    cmd, env, run_dir = _driver(tmp_path, "retried", max_failures=1, **args)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = run_record.load_record(run_dir)
+    (lost,) = record["previous_attempts"]
+    assert record["status"] == "succeeded" and lost["status"] in ("failed", "interrupted"), lost
+    assert (lost["error"]["class"], lost["error"]["reason"], lost["error"]["rank"]) == \
+        ("infrastructure", "worker_lost", 1), lost
+
+
 def test_lost_rank0_ends_failed_worker_lost(tmp_path):
     cmd, env, run_dir = _driver(tmp_path, "lost", train={"max_steps": 20, "warmup_steps": 1},
                                 checkpoint={"every_steps": 10}, debug={"fail_at_step": 15, "fail_rank": 0})

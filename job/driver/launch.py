@@ -193,7 +193,24 @@ def disconnect_ray() -> None:
     if _connected and ray.is_initialized():
         ray.shutdown()
         _connected.clear()
+    close_progress_bars()
     sys.stdout.flush()
+
+
+def close_progress_bars() -> None:
+    """Closes the workers' progress bars the driver draws (`tqdm_ray`) that their workers never closed (a cancelled
+    or failed run): drawn once more where they stand, and never again under what the driver prints next (its
+    patched `print` redraws every open bar after each line). Ray's bar manager is internal: left alone if it
+    differs."""
+    manager = getattr(sys.modules.get("ray.experimental.tqdm_ray"), "_manager", None)
+    groups = getattr(manager, "bar_groups", None)
+    if not isinstance(groups, dict):
+        return
+    with manager.lock:
+        for group in groups.values():
+            for bar in list(getattr(group, "bars_by_uuid", {}).values()):
+                bar.close()
+            group.bars_by_uuid = {}
 
 
 def worker_resources(cfg: config_lib.RunConfig) -> dict[str, float]:
@@ -307,7 +324,7 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
 
     connect_ray(cfg)
     storage_path, name = loop_config.run_dir.rsplit("/", 1)
-    trainer = trainer_class(TorchTrainer)(
+    trainer = trainer_class(TorchTrainer, loop_config.run_dir)(
         ray_train_loop,
         train_loop_config=ray_loop_config(loop_config),
         scaling_config=ScalingConfig(
@@ -338,10 +355,10 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
     except WorkerGroupError as e:
         messages = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
         lost = any(isinstance(exc, RayActorError) for exc in e.worker_failures.values())
-        # A record left running (rank 0 lost, a fault its except never saw): the lowest failed rank's error.
-        first = min(e.worker_failures) if e.worker_failures else None
-        run_record.close_if_running(loop_config.run_dir, "failed", e if first is None else e.worker_failures[first],
-                                  rank=first, attempt=this_attempt)
+        if e.worker_failures:
+            run_record.record_group_failure(loop_config.run_dir, e.worker_failures, attempt=this_attempt)
+        else:
+            run_record.close_if_running(loop_config.run_dir, "failed", e, attempt=this_attempt)
         return (recorded_ending(loop_config.run_dir) + _by_message(messages)
                 + (f"\n{resume_hint(loop_config.run_dir)}" if lost else ""))
     except TrainingFailedError as e:
@@ -383,10 +400,12 @@ def abort(trainer, timeout_s: float = 15.0) -> None:
         pass
 
 
-def trainer_class(base: type) -> type:
+def trainer_class(base: type, run_dir: str) -> type:
     """`base` (`TorchTrainer`) keeping its controller's handle (for `abort`) instead of installing Ray Train's SIGINT
     handler, which would end the driver with status 0 and the record left running (`watch.driver_watch` handles
-    SIGINT and SIGTERM alike), and with a worker callback that catches SIGTERM for a preemption save.
+    SIGINT and SIGTERM alike), with a worker callback that catches SIGTERM for a preemption save, and a worker-group
+    callback that records a failed group's cause once its workers are gone, also when Ray Train retries it
+    (`run_record.record_group_failure`: the retry's record would otherwise find the lost attempt's left running).
 
     Without Ray Train's placement-group cleaner: a detached actor that counts a state API starved of CPU as the
     controller's death and removed a live run's placement group (docs/checkpoints.md; ray-project/ray#65447). It
@@ -394,7 +413,7 @@ def trainer_class(base: type) -> type:
     removes its job's placement groups when it ends. Kept as is if Ray's internals differ."""
     try:
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-        from ray.train.v2._internal.execution.callback import WorkerCallback
+        from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
     except ImportError:
         return base
     if not hasattr(base, "_create_default_callbacks") or not hasattr(base, "_register_sigint_handler"):
@@ -406,12 +425,25 @@ def trainer_class(base: type) -> type:
         def after_init_train_context(self):
             signals.catch_preemption()
 
+    class RecordGroupFailure(WorkerGroupCallback):
+        """Runs in Ray Train's controller: a poll's errors are kept until the group is shut down, then recorded."""
+
+        errors: dict | None = None
+
+        def after_worker_group_poll_status(self, worker_group_status):
+            self.errors = dict(worker_group_status.errors) or self.errors
+
+        def after_worker_group_shutdown(self, worker_group_context):
+            if self.errors:
+                run_record.record_group_failure(run_dir, self.errors)
+            self.errors = None
+
     class Trainer(base):
         controller = None
 
         def _create_default_callbacks(self):
             return [cb for cb in super()._create_default_callbacks()
-                    if not isinstance(cb, PlacementGroupCleanerCallback)] + [CatchPreemption()]
+                    if not isinstance(cb, PlacementGroupCleanerCallback)] + [CatchPreemption(), RecordGroupFailure()]
 
         def _register_sigint_handler(self, controller):
             self.controller = controller

@@ -98,6 +98,18 @@ def classify(exc: BaseException) -> tuple[str, str, BaseException]:
     return "unknown", "exception", exc
 
 
+LOST_PROCESS = ("ActorDiedError", "RayActorError", "NodeDiedError", "WorkerHealthCheckFailedError",
+                "WorkerHealthCheckTimeoutError")
+"""Ray's errors for a worker whose process is gone (its own error, as Ray Train reports it per rank)."""
+
+
+def lost_ranks(errors: dict[int, BaseException]) -> list[int]:
+    """The ranks of a failed worker group whose process died, from each rank's error as Ray Train reports it: the
+    others saw their peers go (a gloo or NCCL error), or failed on their own."""
+    return sorted(rank for rank, exc in errors.items()
+                  if any(t.__name__ in LOST_PROCESS for e in _chain(exc) for t in type(e).__mro__))
+
+
 def describe(exc: BaseException | str | dict | None, *, step: int | None = None, rank: int | None = None) -> dict | None:
     """The record's `error` for `exc` (an exception, a message, an already structured error, or None)."""
     if exc is None or isinstance(exc, dict):
@@ -183,3 +195,18 @@ def verdict(run_dir: str, status: str, err: dict | None, fallback: str, command:
     else:  # a model's or an unknown failure: look at the run before running it again
         lines.append(f"next: read the run's report and logs: python -m job report {run_dir}")
     return "\n".join(lines)
+
+
+def success(run_dir: str, record: dict) -> str:
+    """The driver's last words on a run that succeeded: how far it trained and what it scored, where it is, and what
+    to read next."""
+    metrics = record.get("metrics") or {}
+    reached = [f"{metrics.get('steps')} steps"]
+    if isinstance(metrics.get("final_eval_loss"), (int, float)):
+        reached.append(f"held-out loss {metrics['final_eval_loss']:.4g}")
+    scores = {}
+    for result in record.get("evaluation") or []:
+        scores.setdefault(result.get("task"), []).append(result.get("exact_match"))
+    reached += [f"{task} {' -> '.join(f'{s:.1%}' for s in (v[0], v[-1])[:len(v)])}" for task, v in scores.items()]
+    return "\n".join([f"run succeeded: {', '.join(reached)}", f"run directory: {run_dir} (run.json)",
+                      f"next: python -m job report {run_dir}"])

@@ -402,6 +402,25 @@ def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, 
         return None
 
 
+def record_group_failure(run_dir: str, errors: dict[int, BaseException], *, attempt: dict | None = None) -> None:
+    """The driver's account of a worker group that failed (`errors`: each failed rank's error, as Ray Train reports
+    them), once its workers are gone: a record left running is closed with the error of the rank whose process died
+    (else the lowest failed rank's); one a surviving rank closed with its peer's loss is blamed on the lost rank, the
+    surviving one kept as `noticed_by`. `attempt` as in `close_if_running`."""
+    lost = failures.lost_ranks(errors)
+    culprit = lost[0] if lost else min(errors)
+    if close_if_running(run_dir, "failed", errors[culprit], rank=culprit, attempt=attempt) is not None or not lost:
+        return
+    try:
+        record = load_latest(run_dir)
+        error = record.get("error") or {}
+        if record.get("status") == "failed" and error.get("reason") == "worker_lost" and error.get("rank") not in lost:
+            record["error"] = {**error, "rank": culprit, "noticed_by": error.get("rank")}
+            write_record(run_dir, record)
+    except Exception as e:  # as in close_if_running: the run's own error is reported all the same
+        print(f"{run_dir}/{RUN_RECORD}: cannot name the lost rank: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
 def _opened_since(record: dict, since: float) -> bool:
     """Whether `record` was opened at or after epoch second `since` (its `started_at` has whole seconds)."""
     try:
