@@ -343,6 +343,30 @@ def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, si
     assert lease_lib.read_heartbeat(run_dir)["final"] is True
 
 
+@pytest.mark.parametrize("ending", ["succeeded", "cancelled"])
+def test_the_verdict_is_the_last_thing_shown(tmp_path, ending):
+    """Whatever the ending, the driver's verdict comes after the workers' forwarded lines and progress bars (a bar
+    the cancelled workers never closed is not drawn again under it)."""
+    cmd, env, run_dir = _driver(tmp_path, ending, train={"max_steps": 12 if ending == "succeeded" else 5000,
+                                                         "warmup_steps": 1},
+                                logging={"every_steps": 2, "progress_bar": "on"}, checkpoint={"export": False})
+    with open(tmp_path / "driver.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if ending == "cancelled":
+                _wait_for(lambda: _trained(run_dir) and _last_step(run_dir) >= 4, 400, "a few train records")
+                proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=400)
+        finally:
+            proc.kill()
+    lines = [line for line in (tmp_path / "driver.log").read_text().replace("\r", "\n").splitlines() if line.strip()]
+    first = max(i for i, line in enumerate(lines) if line.startswith(f"run {ending}: "))
+    assert lines[-1].startswith("next: ") and len(lines) - first <= 5, lines[-30:]
+    if ending == "succeeded":
+        assert proc.returncode == 0 and lines[first] == "run succeeded: 12 steps", lines[first:]
+        assert lines[first + 1] == f"run directory: {run_dir} (run.json)"
+
+
 def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succeeds(tmp_path):
     # scripts/drills.sh's kill-driver: SIGKILL the driver's process group and its Ray workers (a lost head pod;
     # the workers would otherwise finish the run without it), then start the same run again. Both attempts log to

@@ -81,7 +81,12 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
     if error:
         _verdict(run_dir, "failed", error, loop_config)
         return 1
-    print(f"run directory: {run_dir}", flush=True)
+    launch.disconnect_ray()  # Ray's forwarding of the workers' output ends: the verdict is the last thing shown
+    try:
+        record = run_record.load_latest(run_dir)
+    except (OSError, ValueError):
+        record = {}
+    print(failures.success(run_dir, record), flush=True)
     return 0
 
 
@@ -95,6 +100,8 @@ def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
         record = {}
     if (record.get("error") or {}).get("reason") != "cluster_lost":  # a lost cluster: Ray's own exit is fatal
         launch.disconnect_ray()
+    else:
+        launch.close_progress_bars()
     logs_dir = failures.attempt_logs(run_dir, loop_config.started_at)
     try:
         fs, path = storage.filesystem(logs_dir)
