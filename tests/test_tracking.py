@@ -13,6 +13,7 @@ from conftest import tiny_run_config
 from job import config as config_lib
 from job.driver import launch
 from job import packages
+from job.commands import report
 from job.records import tracking
 from servers import free_port, mlflow_server
 
@@ -58,7 +59,7 @@ def test_a_server_that_dies_mid_run_warns_once_and_never_fails_the_run(tmp_path,
         capsys.readouterr()
         for step in (2, 3):
             sink.log(step, {"train/loss": 2.0}, 1001.0)
-        tracking.finish(str(server), run_dir, run_id)  # no run.json, no server: one warning, no exception
+        tracking.finish(str(server), run_dir, run_id, report.write_report)  # no run.json, no server: one warning
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2, err
     assert err[0].startswith("warning: mlflow: logging at step 2 failed (") and "training goes on" in err[0]
