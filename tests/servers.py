@@ -97,10 +97,10 @@ MLFLOW_SERVER = Path(__file__).resolve().parent.parent / ".venv-mlflow" / "bin" 
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path) -> Iterator[str]:
-    """An MLflow tracking server on 127.0.0.1 with a SQLite store and its artifacts under `root`: its URL, as an
-    `MlflowServer` (a test may stop its `.process` early)."""
-    port = free_port()
+def mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
+    """An MLflow tracking server on 127.0.0.1 (`port`, else a free one) with a SQLite store and its artifacts under
+    `root`: its URL, as an `MlflowServer` (a test may stop its `.process` early, and start it again on its port)."""
+    port = port or free_port()
     root.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(
         [str(MLFLOW_SERVER), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

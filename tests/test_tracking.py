@@ -3,6 +3,7 @@ store): a missing package or an unreachable server is one line at start; a serve
 warning and never the training. The run's own MLflow run, over a killed and resumed run, is checked in
 test_failures.py (`check_mlflow_run`)."""
 
+import contextlib
 import os
 import signal
 import sys
@@ -14,7 +15,7 @@ from job import config as config_lib
 from job.driver import launch
 from job import packages
 from job.commands import report
-from job.records import tracking
+from job.records import run_record, tracking
 from servers import free_port, mlflow_server
 
 
@@ -42,8 +43,10 @@ def test_an_unreachable_server_stops_the_run_before_any_worker(tmp_path):
     assert "\n" not in message
 
 
-def test_a_server_that_dies_mid_run_warns_once_and_never_fails_the_run(tmp_path, capsys):
+def test_a_server_that_dies_mid_run_warns_once_and_never_fails_the_run(tmp_path, capsys, monkeypatch):
     import mlflow
+
+    monkeypatch.setattr(tracking, "CLOSE_WITHIN_S", 0.5)  # the server stays gone: asked once more at most
 
     with mlflow_server(tmp_path / "mlflow") as server:
         cfg = _config(tmp_path, str(server))
@@ -63,4 +66,41 @@ def test_a_server_that_dies_mid_run_warns_once_and_never_fails_the_run(tmp_path,
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2, err
     assert err[0].startswith("warning: mlflow: logging at step 2 failed (") and "training goes on" in err[0]
-    assert err[1].startswith(f"warning: mlflow: cannot close run {run_id} at {server}")
+    assert err[1].startswith(f"warning: mlflow: run {run_id} at {server}: not set: run.json (FileNotFoundError: no "
+                             "run.json at") and "status FAILED (" in err[1] and err[1].endswith("tags; the run's own "
+                                                                                             f"record is {run_dir}/run.json")
+
+
+def test_a_server_back_before_the_run_ends_gets_its_end_and_no_second_warning(tmp_path, capsys):
+    """Down for part of the run (the sink's one warning), back at its end, slow to answer: the driver asks again
+    until the server takes the run's end status, tags and artifacts; no second warning."""
+    import threading
+
+    import mlflow
+
+    cfg = None
+    with mlflow_server(tmp_path / "mlflow") as server:
+        cfg = _config(tmp_path, str(server))
+        run_dir = launch.run_directory(cfg)
+        run_id = tracking.start(cfg, run_dir)
+        sink = tracking.MlflowMetrics(str(server), run_id)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+        sink.log(1, {"train/loss": 2.0}, 1001.0)
+    record = run_record.start_record(run_dir, config=config_lib.to_dict(cfg), config_text="x", seed=0)
+    run_record.finish_record(run_dir, record, metrics={"steps": 1})
+    port = int(server.rsplit(":", 1)[1])
+    back = contextlib.ExitStack()
+    restart = threading.Timer(2.0, lambda: back.enter_context(mlflow_server(tmp_path / "mlflow", port)))
+    restart.start()  # while the driver is already asking
+    try:
+        tracking.finish(str(server), run_dir, run_id, report.write_report)
+        restart.join()
+        run = mlflow.MlflowClient(str(server)).get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.tags["status"] == "succeeded"
+        assert {a.path for a in mlflow.MlflowClient(str(server)).list_artifacts(run_id)} == {"run.json", "report.md"}
+    finally:
+        restart.join()
+        back.close()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(err) == 1 and err[0].startswith("warning: mlflow: logging at step 1 failed"), err

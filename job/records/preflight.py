@@ -113,9 +113,11 @@ def run_preflight(cfg: PreflightConfig, device: torch.device, *, log_dir: str | 
     live; `log_dir`: the NCCL log dir (ignored for gloo); `hostname`: this rank's node identity (tests simulate
     several nodes), default `socket.gethostname()`.
 
-    Times all_reduce and all_gather at every size across all ranks, and with several nodes also within each node of
-    more than one rank (a subgroup per host); gathers environment and transport to rank 0, which runs
-    `check_expectations` and broadcasts the verdict, so every rank returns or raises `PreflightError` together.
+    A network or gloo `expect.transport` is checked first, after one small all-reduce (the network NCCL chose is then
+    in its log), and fails before any timing. Then times all_reduce and all_gather at every size across all ranks,
+    and with several nodes also within each node of more than one rank (a subgroup per host); gathers environment
+    and transport to rank 0, which runs `check_expectations` and broadcasts the verdict, so every rank returns or
+    raises `PreflightError` together.
     Sizes are nccl-tests' full buffer S; bandwidths GB/s (1e9 bytes/s) of the slowest rank. Returns the result
     on rank 0 (backend, world_size, nodes, hosts, sizes_mib, iters, warmup, dtype, all_ranks, intra_node,
     intra_node_skipped, workers, expect, failures, duration_s), None elsewhere.
@@ -139,8 +141,22 @@ def run_preflight(cfg: PreflightConfig, device: torch.device, *, log_dir: str | 
     for r, h in enumerate(hosts):
         by_host.setdefault(h, []).append(r)
 
-    all_ranks = _bench_group(None, world, device, sizes, iters, warmup)
+    # One small all-reduce first: NCCL creates its communicator and logs the network it chose, so a wrong network
+    # (`preflight.expect.transport`) fails now, before the bandwidth sweep (tens of seconds at 1 GiB).
+    import torch
 
+    dist.all_reduce(torch.zeros(1, device=device))
+    worker = {"rank": rank, "hostname": host, "environment": environment,
+              "transport": worker_transport(backend, log_dir)}
+    result = _on_rank_0({"backend": backend, "world_size": world, "nodes": len(by_host), "hosts": by_host,
+                         "sizes_mib": sizes, "iters": iters, "warmup": warmup, "dtype": "float32",
+                         "units": "GB/s (1e9 bytes/s); busbw as nccl-tests doc/PERFORMANCE.md", "all_ranks": None,
+                         "intra_node": {}, "intra_node_skipped": None, "expect": dataclasses.asdict(cfg.expect)},
+                        worker, started)
+    if cfg.expect.transport in (*NET_KINDS, "gloo"):
+        _check(result, dataclasses.replace(cfg.expect, min_busbw_gbps=None))
+
+    all_ranks = _bench_group(None, world, device, sizes, iters, warmup)
     intra = None
     subgroups = []
     if len(by_host) > 1:
@@ -162,44 +178,47 @@ def run_preflight(cfg: PreflightConfig, device: torch.device, *, log_dir: str | 
         except Exception:  # best effort; the group is small
             pass
 
-    transport = worker_transport(backend, log_dir)
-    worker = {"rank": rank, "hostname": host, "environment": environment, "transport": transport,
-              "intra_node": intra}
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(worker, gathered, dst=0)
+    worker["transport"] = worker_transport(backend, log_dir)  # with the intra-node communicators' lines now
+    worker["intra_node"] = intra
+    result = _on_rank_0(result, worker, started)
+    if result is not None:
+        result.update(all_ranks=all_ranks, intra_node_skipped=skipped,
+                      intra_node={h: next(w["intra_node"] for w in result["workers"] if w["rank"] == ranks[0])
+                                  for h, ranks in by_host.items() if len(ranks) > 1 and len(by_host) > 1})
+        for w in result["workers"]:
+            w.pop("intra_node", None)
+    _check(result, cfg.expect)
+    return result
 
-    result = None
+
+def _on_rank_0(result: dict | None, worker: dict, started: float) -> dict | None:
+    """`result` on rank 0 with every rank's `worker` gathered into its `workers` and its duration so far; None
+    elsewhere (collective)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(worker, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return {**result, "workers": gathered, "duration_s": round(time.perf_counter() - started, 3)}
+
+
+def _check(result: dict | None, expect: ExpectConfig) -> None:
+    """Rank 0 checks `result` against `expect` and every rank learns the verdict: each raises `PreflightError`
+    together, or returns (collective)."""
+    import torch.distributed as dist
+
     failures: list[str] = []
-    if rank == 0:
+    if result is not None:
         try:
-            result = {
-                "backend": backend,
-                "world_size": world,
-                "nodes": len(by_host),
-                "hosts": by_host,
-                "sizes_mib": sizes,
-                "iters": iters,
-                "warmup": warmup,
-                "dtype": "float32",
-                "units": "GB/s (1e9 bytes/s); busbw as nccl-tests doc/PERFORMANCE.md",
-                "all_ranks": all_ranks,
-                "intra_node": {h: next(w["intra_node"] for w in gathered if w["rank"] == ranks[0])
-                               for h, ranks in by_host.items() if len(ranks) > 1 and len(by_host) > 1},
-                "intra_node_skipped": skipped,
-                "workers": [{k: v for k, v in w.items() if k != "intra_node"} for w in gathered],
-                "expect": dataclasses.asdict(cfg.expect),
-            }
-            failures = check_expectations(result, cfg.expect)
+            failures = check_expectations(result, expect)
         except Exception as exc:  # never leave the other ranks waiting for the verdict
             failures = [f"preflight internal error on rank 0: {exc!r}"]
-        if result is not None:
-            result["failures"] = failures
-            result["duration_s"] = round(time.perf_counter() - started, 3)
+        result["failures"] = failures
     verdict = [failures]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise PreflightError(verdict[0], result)
-    return result
 
 
 def _ranks_text(ranks: list[int]) -> str:

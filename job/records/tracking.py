@@ -92,30 +92,58 @@ class MlflowMetrics:
         pass
 
 
+CLOSE_WITHIN_S = 60.0
+CLOSE_WAIT_S = 3.0
+"""How long the driver keeps asking a server that does not answer to take the run's end, and how far apart: a
+server back from an outage may take seconds to answer again, and a run it never hears the end of stays RUNNING."""
+
+
 def finish(tracking_uri: str, run_dir: str, run_id: str, write_report: Callable[..., list[str]]) -> None:
-    """Tags, artifacts and the end status from run.json (the driver, after the attempt); `write_report(run_dir, out,
-    plots=False)` writes report.md into `out`. A failure here is one warning, never the run's."""
+    """The run's end status from the record first, then its tags and artifacts (run.json, report.md:
+    `write_report(run_dir, out, plots=False)`), each asked again until `CLOSE_WITHIN_S` has passed (the driver,
+    after the attempt); once one is not taken by then, the server counts as gone and the rest are not asked. What
+    was not set is one warning, never the run's failure."""
     from mlflow.entities import RunTag
 
+    failed = []
     try:
-        client = _client(tracking_uri)
         record = run_record.load_record(run_dir)
-        error = record.get("error") or {}
-        tags = {"status": record.get("status"), "failure_class": error.get("class"),
-                "failure_reason": error.get("reason"), "image_digest": (record.get("image") or {}).get("digest"),
-                "image": (record.get("image") or {}).get("reference"),
-                "chart_version": (record.get("chart") or {}).get("version"),
-                "values_sha256": (record.get("chart") or {}).get("values_sha256"),
-                "config_sha256": record.get("config_sha256")}
-        client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
+    except (OSError, ValueError) as e:
+        record, failed = {}, [f"run.json ({_one_line(e)})"]
+    error, image, chart = record.get("error") or {}, record.get("image") or {}, record.get("chart") or {}
+    tags = {"status": record.get("status"), "failure_class": error.get("class"), "failure_reason": error.get("reason"),
+            "image_digest": image.get("digest"), "image": image.get("reference"), "chart_version": chart.get("version"),
+            "values_sha256": chart.get("values_sha256"), "config_sha256": record.get("config_sha256")}
+    status = END_STATUS.get(record.get("status"), "FAILED")
+
+    def artifacts(client) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(tmp, run_record.RUN_RECORD), "w") as f:
                 json.dump(record, f, indent=2, default=str)
             write_report(run_dir, tmp, plots=False)
             for name in (run_record.RUN_RECORD, "report.md"):
                 client.log_artifact(run_id, os.path.join(tmp, name))
-        status = END_STATUS.get(record.get("status"), "FAILED")
-        client.set_terminated(run_id, status=status, end_time=int(time.time() * 1000))
-    except Exception as e:
-        print(f"warning: mlflow: cannot close run {run_id} at {tracking_uri} ({_one_line(e)}); the run's own "
-              f"record is {storage.join(run_dir, run_record.RUN_RECORD)}", file=sys.stderr, flush=True)
+
+    steps = [(f"status {status}", lambda c: c.set_terminated(run_id, status=status, end_time=int(time.time() * 1000))),
+             ("tags", lambda c: c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])),
+             *([("artifacts", artifacts)] if record else [])]
+    deadline = time.monotonic() + CLOSE_WITHIN_S
+    for i, (what, step) in enumerate(steps):
+        if (refused := _asked_until(deadline, lambda: step(_client(tracking_uri)))) is not None:
+            failed += [f"{what} ({_one_line(refused)})", *(later for later, _ in steps[i + 1:])]
+            break
+    if failed:
+        print(f"warning: mlflow: run {run_id} at {tracking_uri}: not set: {'; '.join(failed)}; the run's own record "
+              f"is {storage.join(run_dir, run_record.RUN_RECORD)}", file=sys.stderr, flush=True)
+
+
+def _asked_until(deadline: float, call: Callable[[], object]) -> Exception | None:
+    """`call()` until it returns (None) or `deadline` (monotonic seconds) is near: its last error."""
+    while True:
+        try:
+            call()
+            return None
+        except Exception as e:  # requests' connection errors, MlflowException
+            if time.monotonic() + CLOSE_WAIT_S >= deadline:
+                return e
+            time.sleep(CLOSE_WAIT_S)
