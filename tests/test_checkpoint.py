@@ -237,10 +237,10 @@ def test_trainer_has_no_placement_group_cleaner():
 def test_resume_never_refuses_an_existing_run(reference, tmp_path):
     cfg = config_lib.load_dict({**tiny_run_config(tmp_path), "name": os.path.basename(reference),
                                 "storage_path": os.path.dirname(reference), "checkpoint": {"resume": "never"}})
-    with pytest.raises(checkpoints.CheckpointError, match=f"resume: never, but run {reference} already has"):
-        launch.prepare(cfg, launch.run_directory(cfg))
+    with pytest.raises(checkpoints.ResumeRefused, match=f"resume: never, but run {reference} already has"):
+        checkpoints.check_before_start(cfg, launch.run_directory(cfg))
     fresh = config_lib.load_dict({**tiny_run_config(tmp_path), "name": "new", "checkpoint": {"resume": "never"}})
-    launch.prepare(fresh, launch.run_directory(fresh))  # a new name starts
+    checkpoints.check_before_start(fresh, launch.run_directory(fresh))  # a new name starts
 
 
 def test_resume_two_workers_onto_one_and_back(reference, tmp_path):

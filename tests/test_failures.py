@@ -773,7 +773,7 @@ def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_w
     path = tmp_path / "refused.yaml"
     path.write_text(yaml.safe_dump(record["config"]))
     # The driver refuses before any worker starts. A new run name gets a failed record of the refusal ...
-    assert main(["--config", str(path), "--set", "name=fresh", "--set", f"checkpoint.resume={tmp_path}/none"]) == 1
+    assert main(["--config", str(path), "--set", "name=fresh", "--set", f"checkpoint.resume={tmp_path}/none"]) == 2
     fresh = run_record.load_record(str(tmp_path / "runs" / "fresh"))
     validate(fresh)
     err = fresh["error"]
@@ -781,8 +781,8 @@ def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_w
         ("failed", "config", "resume_refused", "ResumeRefused", None, None), err
     assert f"checkpoint.resume: no checkpoint at {tmp_path}/none" in err["message"] and fresh["ended_at"]
     # ... while a finished run keeps its record (status, config, results): the refusal is a later attempt beside it.
-    assert main(["--config", str(path), "--set", "checkpoint.resume=never", "--set", "train.max_steps=8"]) == 1
-    # Another seed is refused by the workers, once this attempt's record is open: the same.
+    assert main(["--config", str(path), "--set", "checkpoint.resume=never", "--set", "train.max_steps=8"]) == 2
+    # Another seed is refused by the workers too (the driver's check aside), once this attempt's record is open.
     refused, error, _ = _run(tmp_path, "refused", train={"max_steps": 8, "warmup_steps": 1, "seed": 1})
     assert "would not continue the same run (train.seed: checkpoint 0, now 1)" in error
     validate(refused)
@@ -810,6 +810,35 @@ def test_refused_resumes_are_config_errors_and_a_finished_run_keeps_its_record_w
     assert "| Later attempts | later attempts: 2 failed" in (tmp_path / "report" / "report.md").read_text()
     assert compare.main([run_dir, run_dir]) == 0
     assert "(refused, succeeded; later attempts: 2 failed" in capsys.readouterr().out
+
+
+def test_a_resume_or_adapters_the_config_cannot_have_are_refused_by_the_driver_in_seconds(tmp_path, ray_cluster,
+                                                                                          capsys):
+    """What the checkpoint's train state and the model's config tell, the driver checks before Ray or any worker
+    starts: the same refusal the workers would give a minute later, as a config error (exit status 2)."""
+    from job.__main__ import main
+
+    record, error, run_dir = _run(tmp_path, "settled", train={"max_steps": 4, "warmup_steps": 1})
+    assert error is None and record["status"] == "succeeded"
+    path = tmp_path / "settled.yaml"
+    path.write_text(yaml.safe_dump(record["config"]))
+    cases = {
+        "train.seed=1": "would not continue the same run (train.seed: checkpoint 0, now 1)",
+        "train.seq_len=32": "would not continue the same run (train.seq_len: checkpoint 64, now 32)",
+        "model.lora.rank=4": "holds what another model trains (model.lora (rank, alpha, targets): checkpoint none",
+        "model.overrides.num_hidden_layers=2": "saved for another model architecture (num_hidden_layers: checkpoint 1",
+    }
+    for override, said in cases.items():
+        capsys.readouterr()
+        start = time.monotonic()
+        assert main(["--config", str(path), "--set", "train.max_steps=8", "--set", override]) == 2, override
+        err = capsys.readouterr().err
+        assert err.startswith(f"config error: checkpoint {run_dir}/checkpoint_00000004: {said}"), err
+        assert time.monotonic() - start < 30, override  # no worker started: the workers' check took a minute
+    assert main(["--config", str(path), "--set", "name=other", "--set", "model.lora.rank=4",
+                 "--set", "model.lora.targets=[q_proj,qproj]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: model.lora.targets: qproj match(es) no linear layer of Qwen2ForCausalLM"), err
 
 
 def test_async_saves_first_write_is_not_slower_and_each_completes_within_an_interval(tmp_path, ray_cluster):

@@ -17,6 +17,7 @@ import json
 
 from .. import config as config_lib
 from .. import storage
+from .presets import config_fields
 
 COMPLETE = "_COMPLETE"
 """Marker file written last into a checkpoint directory: its presence makes the checkpoint complete."""
@@ -129,8 +130,9 @@ def read_state(uri: str) -> dict:
 
 
 def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
-    """Driver-side check of `checkpoint.resume` before anything is written: `never` refuses a run name that
-    already has checkpoints; an explicit checkpoint must exist and be complete."""
+    """Driver-side check of the resume before anything is written: `checkpoint.resume: never` refuses a run name
+    that already has checkpoints; an explicit checkpoint must exist and be complete; the one a resume would start
+    from must suit this config (`check_settings`)."""
     policy = cfg.checkpoint.resume
     if policy == "never":
         existing = [uri for _, uri, _ in list_checkpoints(run_dir)]
@@ -140,12 +142,37 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
                 f"({', '.join(existing) or RAY_SNAPSHOT}); choose a new run name, delete the run directory, "
                 "or set checkpoint.resume: auto to continue it"
             )
-    elif policy != "auto" and latest_complete(run_dir) is None:
+        return
+    start = latest_complete(run_dir)
+    if policy != "auto" and start is None:
         # An explicit start point matters only while the run has no checkpoint of its own.
         if not storage.exists(policy):
             raise ResumeRefused(f"checkpoint.resume: no checkpoint at {policy}")
         if not storage.exists(storage.join(policy, COMPLETE)):
             raise ResumeRefused(f"checkpoint {policy}: incomplete (no {COMPLETE} marker; the save was interrupted)")
+        start = policy
+    if start is not None:
+        check_settings(cfg, start)
+
+
+def check_settings(cfg: config_lib.RunConfig, uri: str) -> None:
+    """What the driver can tell of a resume from checkpoint `uri` before any worker starts, from its train state and
+    the model's config alone: the same refusal (`ResumeRefused`) the workers would give after loading the model and
+    the data, for another architecture, method (full or LoRA) or LoRA shape, `train.seq_len`, `train.seed` or
+    global batch. The workers still check everything (the data, tokenizer and base weights too). A train state that
+    cannot be read is left to the workers, which verify and name the checkpoint."""
+    try:
+        state = read_state(uri)
+        fields = config_fields(cfg.model)
+    except (CheckpointError, OSError, ValueError):
+        return
+    skip = {"vocab_size"} if cfg.model.train_tokenizer_vocab else set()  # the trained tokenizer's size decides it
+    check_architecture(uri, state, {k: fields[k] for k in ARCH_KEYS if k in fields and k not in skip})
+    lora, train = cfg.model.lora, cfg.train
+    identity = {"seq_len": train.seq_len, "seed": train.seed,
+                "global_batch": train.micro_batch_size * train.grad_accum_steps * cfg.scaling.num_workers,
+                "lora": adapter_identity(cfg, {})["lora"] if lora.rank else None}
+    check_identity(uri, state, identity, cfg.checkpoint.allow_changes, keys=identity)
 
 
 def retire_ray_snapshot(run_dir: str) -> bool:
@@ -195,16 +222,19 @@ def adapter_identity(cfg: config_lib.RunConfig, base_fingerprint: dict) -> dict:
             "base": storage.json_sha256(base_fingerprint)}
 
 
-def check_identity(uri: str, state: dict, identity: dict, allowed: list[str]) -> None:
+def check_identity(uri: str, state: dict, identity: dict, allowed: list[str], keys=None) -> None:
     """Refuse (`ResumeRefused`, naming each field) a checkpoint whose run differs from this one in anything of
-    `run_identity` not in `checkpoint.allow_changes`, or in `ADAPTER_FIELDS`. Without a saved identity (format 1)
+    `run_identity` not in `checkpoint.allow_changes`, or in `ADAPTER_FIELDS`; only `keys` of them when given (what
+    the driver knows before the data and weights are read: `check_settings`). Without a saved identity (format 1)
     the settings come from its config; tokenizer and data cannot be compared."""
     saved = dict(state.get("identity") or {})
     if not saved:
         c = state["config"]["train"]
         saved = {"seq_len": c["seq_len"], "seed": c["seed"],
                  "global_batch": c["micro_batch_size"] * c["grad_accum_steps"] * state["world_size"]}
-    adapters = [key for key in ADAPTER_FIELDS if saved.get(key) != identity.get(key)]
+    if keys is not None:
+        saved = {k: v for k, v in saved.items() if k in keys}
+    adapters = [key for key in ADAPTER_FIELDS if (keys is None or key in keys) and saved.get(key) != identity.get(key)]
     if adapters:
         detail = "; ".join(f"{ADAPTER_FIELDS[k]}: checkpoint {_identity_value(saved.get(k))}, now "
                            f"{_identity_value(identity.get(k))}" for k in adapters)

@@ -93,7 +93,7 @@ def _storage_problems(run_dir: str) -> list[str]:
 
 def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
     """Check the model's config (preset or path, with overrides): heads divide the hidden size, key/value heads
-    divide the heads, and `train.seq_len` is within its positions."""
+    divide the heads, `train.seq_len` is within its positions, and LoRA's targets name its linear layers."""
     try:
         arch = config_fields(cfg.model)
     except Exception as e:  # no such directory or hub id, no config.json, not JSON
@@ -108,6 +108,11 @@ def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
     positions = arch.get("max_position_embeddings")
     if positions and cfg.train.seq_len > positions:
         errors.append(f"train.seq_len: {cfg.train.seq_len} is beyond the model's max_position_embeddings ({positions})")
+    if cfg.model.lora.rank and not errors:  # its layers' names: the model without weights, built in seconds
+        from ..worker.model import causal_lm, lora  # transformers: here, to keep the start of other runs short
+
+        if problem := lora.targets_problem(causal_lm.skeleton(cfg.model), cfg.model.lora):
+            errors.append(problem)
     return errors
 
 
@@ -131,10 +136,9 @@ def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = 
     (`run_record.config_file`), start MLflow, train a tokenizer if asked.
 
     Returns every worker's `LoopConfig`, with `started_at` (default now) and `startup` (when each of the driver's
-    startup steps ended). Raises `CheckpointError` first when `checkpoint.resume` forbids starting.
+    startup steps ended). The resume was checked before (`checkpoints.check_before_start`, right after the lease).
     """
     started_at = time.time() if started_at is None else started_at
-    checkpoints.check_before_start(cfg, run_dir)
     if checkpoints.retire_ray_snapshot(run_dir):
         print(f"removed {checkpoints.RAY_SNAPSHOT} of an earlier version: checkpoints are found in the run "
               "directory itself", flush=True)

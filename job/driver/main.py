@@ -14,7 +14,8 @@ import time
 
 from .. import config as config_lib
 from .. import packages, signals, storage
-from ..common.checkpoints import CheckpointError
+from ..common import checkpoints
+from ..common.checkpoints import CheckpointError, ResumeRefused
 from ..common.sources import DataError
 from ..records import failures, run_record
 from ..records import lease as lease_lib
@@ -38,6 +39,7 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
         if os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 holds it for all its processes
             held.enter_context(watch.hold(run_dir))
         recordable = run_dir
+        checkpoints.check_before_start(cfg, run_dir)  # a resume this config cannot make, refused in seconds
         # When each of the driver's startup steps ended (metrics.Timeline).
         startup = {"imports": imported_at, "checks": time.time()}
         if launch.under_torchrun():
@@ -60,6 +62,10 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
         return 2
     except lease_lib.LeaseHeld as e:
         print(f"refused: {e}", file=sys.stderr)
+        return 2
+    except ResumeRefused as e:  # what the config asks of the run's checkpoints: a config error
+        print(f"config error: {e}", file=sys.stderr)
+        _record_refusal(cfg, recordable, e)
         return 2
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)

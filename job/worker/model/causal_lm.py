@@ -82,6 +82,14 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> PreT
     return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), **common)
 
 
+def skeleton(cfg: ModelConfig) -> PreTrainedModel:
+    """The model's modules without weights (on the meta device), from its config alone: what its layers are."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(cfg))
+
+
 class CausalLMWithLoss(nn.Module):
     """A causal LM whose forward returns (sum of token losses, number of target tokens).
 

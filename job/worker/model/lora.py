@@ -39,18 +39,25 @@ class LoraLinear(nn.Linear):
 def add_adapters(lm: nn.Module, cfg: LoraConfig) -> list[str]:
     """Freeze `lm` and put a `LoraLinear` in place of each linear layer whose name ends in one of `cfg.targets`;
     returns their names. `ConfigError` for a target matching none. Seeded: every rank draws the same adapters."""
+    if problem := targets_problem(lm, cfg):
+        raise ConfigError(problem)
     linear = {name: module for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
     chosen = [name for name in linear if name.rsplit(".", 1)[-1] in cfg.targets]
-    unmatched = [t for t in cfg.targets if not any(name.rsplit(".", 1)[-1] == t for name in chosen)]
-    if unmatched:
-        known = sorted({name.rsplit(".", 1)[-1] for name in linear})
-        raise ConfigError(f"model.lora.targets: {', '.join(unmatched)} match(es) no linear layer of "
-                         f"{type(lm).__name__} (its linear layers: {', '.join(known)})")
     lm.requires_grad_(False)
     for name in chosen:
         parent, _, child = name.rpartition(".")
         lm.get_submodule(parent).register_module(child, LoraLinear(linear[name], cfg.rank, cfg.alpha, cfg.dropout))
     return chosen
+
+
+def targets_problem(lm: nn.Module, cfg: LoraConfig) -> str | None:
+    """What is wrong with `cfg.targets` for `lm` (a target naming no linear layer), or None; `lm` may be on the meta
+    device (the driver checks before any worker starts: `causal_lm.skeleton`)."""
+    names = {name.rsplit(".", 1)[-1] for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
+    if unmatched := [t for t in cfg.targets if t not in names]:
+        return (f"model.lora.targets: {', '.join(unmatched)} match(es) no linear layer of {type(lm).__name__} "
+                f"(its linear layers: {', '.join(sorted(names))})")
+    return None
 
 
 def adapter_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
