@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -839,6 +840,21 @@ def test_a_resume_or_adapters_the_config_cannot_have_are_refused_by_the_driver_i
                  "--set", "model.lora.targets=[q_proj,qproj]"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: model.lora.targets: qproj match(es) no linear layer of Qwen2ForCausalLM"), err
+
+
+def test_extending_a_finished_run_keeps_the_export_it_ended_with(tmp_path, ray_cluster):
+    """Raising train.max_steps of a finished run continues it to a new export; the export the first attempt ended
+    with stays, whole, at exports/step-<N>/, and the record points at it."""
+    record, error, run_dir = _run(tmp_path, "grown", train={"max_steps": 4, "warmup_steps": 1},
+                                  checkpoint={"export": True})
+    assert error is None and record["export"]["ok"] and record["export"]["earlier"] == []
+    first = {p.name: p.read_bytes() for p in Path(run_dir, "export").iterdir() if p.is_file()}
+    record, error, _ = _run(tmp_path, "grown", train={"max_steps": 6, "warmup_steps": 1}, checkpoint={"export": True})
+    assert error is None and record["status"] == "succeeded" and record["export"]["ok"]
+    kept = Path(run_dir, "exports", "step-00000004")
+    assert record["export"]["earlier"] == [{"step": 4, "dir": str(kept)}]
+    assert {p.name: p.read_bytes() for p in kept.iterdir() if p.is_file()} == first
+    assert json.loads(Path(run_dir, "export", "_VALID").read_text())["step"] == 6
 
 
 def test_async_saves_first_write_is_not_slower_and_each_completes_within_an_interval(tmp_path, ray_cluster):

@@ -126,8 +126,8 @@ def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
     export = f", its export accepted in {storage.join(run_dir, exports.EXPORT_DIR)}" if cfg.checkpoint.export else ""
     return (f"run {run_dir} is already complete: checkpoint {latest} is at step {step} "
             f"(train.max_steps {cfg.train.max_steps}){export}. Nothing to train. To train longer, raise "
-            "train.max_steps (the run continues from this checkpoint); to train again from scratch, choose a new "
-            "run name or delete the run directory.")
+            "train.max_steps (the run continues from this checkpoint, this export kept in exports/); to train again "
+            "from scratch, choose a new run name or delete the run directory.")
 
 
 def prepare(cfg: config_lib.RunConfig, run_dir: str, started_at: float | None = None,

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from ... import PACKAGE_DIR
 from ... import config as config_lib
 from ... import storage
-from ...common.exports import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_DIR, HELDOUT, MERGED, VALID
+from ...common.exports import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_DIR, HELDOUT, MERGED, VALID, earlier_exports,
+                               keep_accepted)
 from .. import data as data_lib
 from ..data import vocabulary_sha256
 from ..evaluation.generate import greedy_generate
@@ -103,8 +104,8 @@ def start_export(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
     except Exception as e:  # reported on every rank by `finish_export`, so no rank waits forever
         return {"final": final, "error": f"{type(e).__name__}: {e}"}
     acceptance.send(stage)
-    return {"stage": stage, "final": final, "step": reference["step"], "write_s": time.perf_counter() - start,
-            "sent_at": time.perf_counter()}
+    return {"stage": stage, "final": final, "run_dir": run_dir, "step": reference["step"],
+            "write_s": time.perf_counter() - start, "sent_at": time.perf_counter()}
 
 
 def finish_export(pending: dict | None, acceptance: AcceptanceProcess | None) -> dict:
@@ -197,7 +198,9 @@ def _collect(pending: dict, acceptance: AcceptanceProcess) -> dict:
     if result.get("ok"):
         with open(os.path.join(stage, VALID), "w") as f:
             f.write(json.dumps({"step": pending["step"], "eval_loss": result["eval_loss"], "time": time.time()}) + "\n")
+    keep_accepted(pending["run_dir"], pending["step"])
     _publish(stage, final)
+    result["earlier"] = earlier_exports(pending["run_dir"])
     return result
 
 
