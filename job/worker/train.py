@@ -123,8 +123,8 @@ def train(trainer: Trainer, state: LoopState) -> None:
         for step in range(trainer.start_step + 1, cfg.train.max_steps + 1):
             state.begin_step(step)
             logged_loss_factor = trainer.faults.at_step(step)  # debug.fail_at_step; 1.0 but after a spike or nan
-            profiler = StepProfiler(trainer.worker.device) if trainer.worker.logger and step == cfg.debug.profile_step \
-                else None
+            profiling = trainer.worker.logger and step == cfg.debug.profile_step
+            profiler = StepProfiler(trainer.worker.device) if profiling else None
             state.lr = schedule.learning_rate(step, cfg.train)
             result = train_step(trainer, state.lr)
             state.grad_norm = result.grad_norm
@@ -136,9 +136,9 @@ def train(trainer: Trainer, state: LoopState) -> None:
             for part in trainer.parts:
                 if part.due(state):
                     part.run(state)
-    except BaseException:
-        clock.account(trainer, sync=False)  # what an attempt that fails has trained counts too; the device may be
-        raise                              # what failed: no sync
+    except BaseException:  # what a failed attempt trained counts too; no sync: the device may be what failed
+        clock.account(trainer, sync=False)
+        raise
     clock.account(trainer)
 
 
