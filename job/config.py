@@ -79,6 +79,10 @@ class LoraConfig:
     The base is built one module at a time (never whole in 16 or 32 bits) and takes ~0.52 bytes per quantized
     weight. Needs the `torchao` package (the chart adds it to `runtimeEnv.pip`). null: the base in bf16 on GPU."""
 
+    def adapts(self, module_name: str) -> bool:
+        """Whether the linear layer `module_name` is one of `targets` (by the last part of its name)."""
+        return module_name.rsplit(".", 1)[-1] in self.targets
+
 
 @dataclass
 class ModelConfig:
