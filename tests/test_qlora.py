@@ -8,6 +8,7 @@ Ray Train workers, wide enough (hidden 256) that its NF4 weights shard under FSD
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -153,6 +154,8 @@ def test_the_chart_installs_torchao_only_for_qlora():
     assert pip(*qlora) == [f"torchao=={packages.TORCHAO_VERSION}"]
     assert pip(*qlora, "--set", "runtimeEnv.pip={torchao==0.17.0}") == ["torchao==0.17.0"]
     assert pip("--set", "run.model.lora.rank=16") is None
+    image_set = re.findall(r"^torchao==(\S+)$", (REPO / "requirements-image.txt").read_text(), re.M)
+    assert image_set == [packages.TORCHAO_VERSION], "the image-set tests run with what the chart installs"
 
 
 @pytest.mark.image_set

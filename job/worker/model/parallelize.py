@@ -128,10 +128,10 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
     First the linear layers may become float8 ones (`convert_to_float8`). Then per layer: activation checkpointing,
     `torch.compile` (one graph per layer: the layers are identical, so it compiles once), sharding. With bf16,
     parameters are gathered and computed in bf16 while master weights and optimizer state stay fp32; gradients
-    are reduced in `cfg.reduce_dtype`. LoRA's frozen base is sharded the same way or, unsharded with bf16, kept in
-    bf16 (nothing updates it). QLoRA's NF4 weights shard as 4-bit codes and scales; on a one-rank shard group, or
-    when its scale blocks do not divide among the group (a tiny model's), one stays whole on every rank, outside
-    FSDP2 (`ignored_params`).
+    are reduced in `cfg.reduce_dtype`. With bf16, LoRA's frozen base is cast to bf16 once (nothing updates it, and
+    it is computed in bf16 either way), then sharded like the rest. QLoRA's NF4 weights shard as 4-bit codes and
+    scales; on a one-rank shard group, or when its scale blocks do not divide among the group (a tiny model's),
+    one stays whole on every rank, outside FSDP2 (`ignored_params`).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -144,6 +144,8 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
         shard_args["offload_policy"] = CPUOffloadPolicy()
     # Activation checkpointing recomputes a layer in backward, outside the forward that swapped the copies in.
     shard = mesh.size() > 1 or cfg.fsdp == "always" or cfg.cpu_offload or cfg.activation_checkpointing
+    if bf16:  # LoRA's frozen base: in bf16 once, as FSDP2 or the copies would cast it every step (NF4: as it is)
+        cast_unquantized([p for p in model.parameters() if not p.requires_grad], torch.bfloat16)
     whole = {p for p in model.parameters() if is_nf4(p) and not fsdp_can_shard(p, mesh.size(-1))} if shard else set()
     layers = decoder_layers(model.lm)
     for i, layer in enumerate(layers):
@@ -158,6 +160,4 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
         fully_shard(model, **shard_args, ignored_params=whole)
     elif bf16:
         model.compute_dtype = torch.bfloat16
-        # LoRA's frozen base: in bf16 once, not copied into it every forward (QLoRA's NF4 weights: as they are)
-        cast_unquantized([p for p in model.parameters() if not p.requires_grad], torch.bfloat16)
     return model
