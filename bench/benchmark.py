@@ -120,6 +120,7 @@ VARIANTS = {
     "hf-qlora-liger-7b": Variant("hf", 1, shaped({**HF_QLORA, **LIGER}, QWEN_7B, ours=False)),
     "hf-peft-7b": Variant("hf", 1, shaped(HF_PEFT, QWEN_7B, ours=False)),
     "qlora-32b": Variant("torchrun", 1, shaped(QLORA, QWEN_32B, ours=True)),
+    "qlora-7b-eager": Variant("torchrun", 1, shaped({**QLORA, "parallel.compile": False}, QWEN_7B, ours=True)),
     # The full fine-tune of the 7B shape on one H200 (122 GB of fp32 weights, gradients and AdamW state), both with
     # every block's activations recomputed: torchtitan's `full` activation checkpointing and ours.
     "best-7b-ac": Variant("torchrun", 1, {**CUDNN, "model.overrides": QWEN_7B, "parallel.activation_checkpointing": True}),

@@ -98,6 +98,8 @@ def build_module_by_module(cfg: ModelConfig, vocab_size: int | None, seed: int, 
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     device = torch.get_default_device()
+    if device.type == "cuda" and device.index is None:  # safetensors reads onto a numbered device
+        device = torch.device("cuda", torch.cuda.current_device())
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), attn_implementation=cfg.attn_implementation,
                                               dtype=torch.float32)
