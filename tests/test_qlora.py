@@ -225,10 +225,11 @@ def test_qlora_exports_an_adapter_that_peft_loads_onto_the_16_bit_base(qlora_ref
     gets the loss the acceptance check measured for it (`bf16_base`)."""
     export = f"{qlora_reference}/export"
     acceptance = json.load(open(f"{export}/acceptance.json"))
-    assert acceptance["ok"] and acceptance["abs_diff"] < 1e-4, acceptance
-    assert acceptance["merged_eval_loss"] == pytest.approx(acceptance["eval_loss"], abs=1e-5)
+    # Measured: 7e-7 (the rebuilt quantized base), against 1.4e-5 for this adapter on the 16-bit base.
+    assert acceptance["ok"] and acceptance["abs_diff"] < 5e-6, acceptance
+    assert acceptance["merged_eval_loss"] == pytest.approx(acceptance["eval_loss"], abs=5e-6)
     served = acceptance["bf16_base"]
-    assert abs(served["minus_quantized"]) < 0.05
+    assert 0 < abs(served["minus_quantized"]) < 0.05
     adapter = json.load(open(f"{export}/adapter_config.json"))
     assert (adapter["peft_type"], adapter["r"], adapter["base_model_name_or_path"]) == ("LORA", 4, str(base_dir))
     if importlib.util.find_spec("peft"):  # in requirements-dev.txt, not in the image's set
@@ -237,7 +238,7 @@ def test_qlora_exports_an_adapter_that_peft_loads_onto_the_16_bit_base(qlora_ref
         assert out.returncode == 0, out.stderr[-3000:]
         found = json.loads(out.stdout.strip().splitlines()[-1])
         assert found["lora_layers"] == 14
-        assert found["peft_eval_loss"] == pytest.approx(served["eval_loss"], abs=1e-5)
+        assert found["peft_eval_loss"] == pytest.approx(served["eval_loss"], abs=2e-6)
 
 
 def test_report_and_compare_show_the_quantization_and_the_base_memory(qlora_reference, lora_on_the_same_base):
