@@ -48,7 +48,7 @@ def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.dev
         parent, _, child = name.rpartition(".")
         copy.get_submodule(parent).register_module(child, None)
     copy.to_empty(device=device)
-    for name, module in quantized.items():  # QLoRA: merging needs the 16-bit base (x 4 its memory)
+    for name, module in quantized.items():  # QLoRA: kept in 4 bits (merged, a weight would take 4x the memory)
         parent, _, child = name.rpartition(".")
         copy.get_submodule(parent).register_module(child, module.unsharded(dtype, device))
     targets = dict(copy.named_parameters())
