@@ -65,6 +65,19 @@ HF_PEFT = {"lora-rank": 16, "fsdp": "off"}  # the Trainer with peft at the same 
 QWEN_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
            "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}
 """Qwen2.5-7B's shape (its config.json), over the 1.5B preset: the 7B-class LoRA rows, random init."""
+QWEN_32B = {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "intermediate_size": 27648, "vocab_size": 152064, "tie_word_embeddings": False}
+"""Qwen2.5-32B's shape (its config.json): the QLoRA row that fits one 80 GB GPU, random init."""
+QLORA = {**LORA, "model.lora.quantize_base": "nf4", "parallel.activation_checkpointing": True}
+"""QLoRA (issue 52) as its users run it, every decoder layer's activations recomputed (what keeps the 7B shape at
+T = 4096 within a 24 GB card)."""
+HF_QLORA = {**HF_PEFT, "load-in-4bit": True, "grad-ckpt": True}
+"""The Trainer + peft + bitsandbytes 4-bit, gradient checkpointing on, as peft's QLoRA recipe sets it."""
+
+
+def shaped(options: dict, shape: dict, ours: bool) -> dict:
+    """`options` of a variant with the model's dimensions `shape`: our job's override, or a peer script's option."""
+    return {**options, "model.overrides": shape} if ours else {**options, "overrides": json.dumps(shape, separators=(",", ":"))}
 VARIANTS = {
     "hf": Variant("hf", 4),
     "hf-accum2": Variant("hf", 4, accum=2),  # global batch 8 (micro-batch 8 runs out of memory)
@@ -100,6 +113,14 @@ VARIANTS = {
     "best-b8-cudnn-lora": Variant("torchrun", 8, LORA),
     "lora-7b": Variant("torchrun", 1, {**LORA, "model.overrides": QWEN_7B}),
     "lora-7b-b2": Variant("torchrun", 2, {**LORA, "model.overrides": QWEN_7B}),
+    # Issue 52: QLoRA at the 7B shape against the Trainer + peft + bitsandbytes (and with Liger), beside both sides'
+    # bf16 LoRA, and the 32B shape on one 80 GB GPU.
+    "qlora-7b": Variant("torchrun", 1, shaped(QLORA, QWEN_7B, ours=True)),
+    "hf-qlora-7b": Variant("hf", 1, shaped(HF_QLORA, QWEN_7B, ours=False)),
+    "hf-qlora-liger-7b": Variant("hf", 1, shaped({**HF_QLORA, **LIGER}, QWEN_7B, ours=False)),
+    "hf-peft-7b": Variant("hf", 1, shaped(HF_PEFT, QWEN_7B, ours=False)),
+    "qlora-32b": Variant("torchrun", 1, shaped(QLORA, QWEN_32B, ours=True)),
+    "qlora-7b-eager": Variant("torchrun", 1, shaped({**QLORA, "parallel.compile": False}, QWEN_7B, ours=True)),
     # The full fine-tune of the 7B shape on one H200 (122 GB of fp32 weights, gradients and AdamW state), both with
     # every block's activations recomputed: torchtitan's `full` activation checkpointing and ours.
     "best-7b-ac": Variant("torchrun", 1, {**CUDNN, "model.overrides": QWEN_7B, "parallel.activation_checkpointing": True}),
@@ -122,12 +143,17 @@ TREES = REPO / ".devdata" / "trees"
 """Where `Variant.tree`s are: `git archive COMMIT job | tar -x -C .devdata/trees/NAME` (bench/device-bench.sh issue31)."""
 BASELINES = {"vs hf": {}, "vs liger": LIGER}
 """The ratio columns: each divides by the baseline script's (launcher "hf") row with exactly these options (at the
-same global batch and GPU count, from the same run); for a LoRA row, these options with `HF_PEFT` (the Trainer
-with peft at the same rank)."""
+same global batch and GPU count, from the same run) besides the row's `peer_options`."""
 
 
-def is_lora(variant: Variant) -> bool:
-    return "model.lora.rank" in variant.overrides or "lora-rank" in variant.overrides
+def peer_options(variant: Variant) -> dict:
+    """What the Trainer row a variant is compared with has besides a ratio column's options: peft at the same rank
+    for LoRA (`HF_PEFT`), bitsandbytes' 4-bit base for QLoRA (`HF_QLORA`), the same model shape."""
+    options = variant.overrides
+    if variant.launcher == "hf":
+        return {k: v for k, v in options.items() if k in {*HF_QLORA, "overrides"}}
+    peer = dict(HF_QLORA if "model.lora.quantize_base" in options else HF_PEFT if "model.lora.rank" in options else {})
+    return shaped(peer, options["model.overrides"], ours=False) if "model.overrides" in options else peer
 SCRIPTS = {"hf": "bench/hf_trainer_baseline.py", "titan": "bench/torchtitan_baseline.py"}
 """The peers' scripts, by launcher: run under torchrun with the same options, each prints one JSON line."""
 
@@ -261,10 +287,12 @@ def last_step_logged(metrics: Path, steps: int) -> bool:
 def print_table(rows: list[dict]) -> None:
     """One line per variant; each `BASELINES` column: tokens/s over that baseline's (the baseline script with
     exactly its options) at the same global batch and GPU count, `-` where the run has no such baseline."""
-    baselines = {column: {(r["batch"] * r["accum"], r["gpus"], lora): r["tokens_per_s_per_device"] for r in rows
-                          for lora in (False, True)
+    def key(r: dict) -> tuple:
+        return r["batch"] * r["accum"], r["gpus"], json.dumps(peer_options(VARIANTS[r["variant"]]), sort_keys=True)
+
+    baselines = {column: {key(r): r["tokens_per_s_per_device"] for r in rows
                           if r["launcher"] == "hf" and "error" not in r and "skipped" not in r
-                          and VARIANTS[r["variant"]].overrides == ({**options, **HF_PEFT} if lora else options)}
+                          and VARIANTS[r["variant"]].overrides == {**options, **peer_options(VARIANTS[r["variant"]])}}
                  for column, options in BASELINES.items()}
     print(f"{'variant':<27}{'launcher':<10}{'GPUs':>5}{'mb x acc':>9}{'tok/s/dev':>11}{'MFU':>7}{'step s':>8}"
           f"{'mem GiB':>9}" + "".join(f"{column:>10}" for column in BASELINES))
@@ -277,7 +305,7 @@ def print_table(rows: list[dict]) -> None:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] else "-"
         ratios = ""
         for by_batch in baselines.values():
-            base = by_batch.get((r["batch"] * r["accum"], r["gpus"], is_lora(VARIANTS[r["variant"]])))
+            base = by_batch.get(key(r))
             ratios += f"{r['tokens_per_s_per_device'] / base:>10.2f}" if base else f"{'-':>10}"
         print(f"{head}{r['tokens_per_s_per_device']:>11.0f}{mfu:>7}{r['step_time_s']:>8.3f}{mem:>9}{ratios}")
 

@@ -21,6 +21,11 @@
 #       go to /dev/shm when it has room for a checkpoint. Carry .whl (with liger-kernel and torchao).
 #   bench/device-bench.sh lora [VARIANTS]                       ONE GPU (issue 45): the LoRA job end to end (examples/lora-e2e.yaml),
 #       then LoRA against the Trainer + peft, the full fine-tune and the 7B shape (docs/lora.md). Carry .whl (with peft).
+#   bench/device-bench.sh qlora [VARIANTS]                      ONE GPU (issue 52): the NF4 candidates on a 7B layer's
+#       projections (bench/nf4_candidates.py), then QLoRA at the 7B shape against the Trainer + peft + bitsandbytes
+#       4-bit (and with Liger), our and the Trainer's bf16 LoRA of that shape, and the 32B shape, 8 steps each within
+#       BUDGET seconds (default 420; last, if time is left, our 7B QLoRA without compile). Carry .whl (with peft,
+#       bitsandbytes, liger-kernel, torchao).
 #   bench/device-bench.sh issue31 [VARIANTS]                     ONE GPU: issue 31's levers (one GPU without FSDP2, clipping
 #       in the fused step) alone and together against the code before them, beside HF + Liger and torchtitan,
 #       micro-batch 4 then 8, within BUDGET seconds (default 540). Carry .whl, .titan and .devdata/trees.
@@ -67,6 +72,11 @@ case "${1:-1gpu}" in
     "${bench[@]}" --gpus 1 --budget "${BUDGET:-480}" --stop-after-steps --workdir /dev/shm --out "$out/lora.json" \
       --only "${2:-hf-peft-b2,best-b2-cudnn-lora,hf-peft-liger,best-cudnn-lora,best-cudnn,lora-7b}" >"$out/lora.log" 2>&1
     echo "exit $?"; grep -v '^{' "$out/lora.log" | tail -n 10 ;;
+  qlora)
+    python3 bench/nf4_candidates.py --iters 10 >"$out/nf4.log" 2>&1; echo "nf4 candidates exit $?"; tail -n 6 "$out/nf4.log"
+    "${bench[@]}" --gpus 1 --steps 8 --budget "${BUDGET:-420}" --stop-after-steps --workdir /dev/shm --out "$out/qlora.json" \
+      --only "${2:-qlora-7b,hf-qlora-7b,qlora-32b,hf-qlora-liger-7b,lora-7b,hf-peft-7b,qlora-7b-eager}" >"$out/qlora.log" 2>&1
+    echo "exit $?"; grep -v '^{' "$out/qlora.log" | tail -n 8 ;;
   issue31)
     # ONE GPU: issue 31's levers alone and together (the trees of `benchmark.py`'s TREES exported here first) beside
     # the three peers, micro-batch 4 then 8; each of our runs is stopped once its last step is logged. Carry .whl,

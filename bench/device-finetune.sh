@@ -18,6 +18,9 @@
 #                                               commit (an A/B on one machine, e.g. .devdata/trees/before).
 #                                               Ray Train's startup, actor by actor, goes to ray-startup.txt
 #                                               (bench/ray_actor_timeline.py)
+#   bench/device-finetune.sh pair RENDER:NAME RENDER:NAME   two rendered profiles back to back (LoRA beside QLoRA,
+#                                               docs/lora.md), each as `run` does with its files in $OUT/NAME, then
+#                                               both summaries
 #   bench/device-finetune.sh task-eval [ARGS]   bench/task_eval.py on that run config (one table)
 #   bench/device-finetune.sh parity [RECIPES] [--set K=V]   FP8 loss parity (issue 19): the same run config, 200 steps,
 #                                               once in bf16 and once per float8 recipe (default "none,rowwise"), held-out
@@ -60,6 +63,11 @@ case "${1:-}" in
     cp "/tmp/runs/$name/export/acceptance.json" "$out/" 2>/dev/null
     python3 bench/finetune_summary.py "$out/run.log" "/tmp/runs/$name" | tee "$out/summary.txt"
     python3 bench/ray_actor_timeline.py > "$out/ray-startup.txt" 2>&1 ;;
+  pair)
+    for spec in "${@:2}"; do
+      OUT="$out/${spec#*:}" RENDER="${spec%%:*}" NAME="${spec#*:}" bash "$0" run
+    done
+    for spec in "${@:2}"; do echo "== ${spec#*:}"; cat "$out/${spec#*:}/summary.txt"; done ;;
   task-eval)
     source bench/device-env.sh || exit 1
     run_config || exit 1

@@ -41,6 +41,8 @@ DEST=.whl
 #   runtime dependencies; 0.18.0 is ABI-stable against torch >= 2.11, job/packages.py TORCHAO_VERSION)
 #   the pretrained weights (bench/device-finetune.sh prepare): gguf, the GGUF reader (requirements-dev.txt's pin)
 #   issue 45: peft (the Trainer + peft LoRA baseline, hf_trainer_baseline.py --lora-rank; its needs are in the image)
+#   issue 52: bitsandbytes (the Trainer + peft QLoRA baseline, --load-in-4bit; needs torch, numpy, packaging: in the
+#   image), slimmed to the CUDA 13.0 and CPU libraries (the image's torch is cu130): 43 MB -> ~4 MB
 # Already on the device, within the bounds (versions read there 2026-11-30): click filelock
 # msgpack packaging (26.3) protobuf (7.36.2) pyyaml requests attrs numpy (2.5.2) pandas
 # (3.0.6) pyarrow (25.0.1; datasets needs >=24) fsspec (2026.7.0; datasets needs <=2026.9.0)
@@ -69,6 +71,7 @@ PKGS=(
   torchao==0.18.0
   gguf==0.19.0
   peft==0.21.2
+  bitsandbytes==0.50.2
 )
 
 download() {  # download DIR PACKAGE...: cp312 manylinux x86_64 wheels, no dependencies
@@ -115,13 +118,16 @@ fi
 
 download "$DEST" "${PKGS[@]}"
 
-# Slim the ray and torchao wheels: drop ray/jars/ and *.js.map, torchao/_C*.so, and their
-# RECORD lines (pip checks the hashes of the files it installs against RECORD, and files
-# absent from the zip must not be listed). Rewrites in place; a second run is a no-op.
-"$PY" - "$DEST"/ray-2.60.0-*.whl "$DEST"/torchao-0.18.0-*.whl <<'EOF'
+# Slim the ray, torchao and bitsandbytes wheels: drop ray/jars/ and *.js.map, torchao/_C*.so,
+# bitsandbytes' libraries for other CUDA versions, ROCm and XPU, and their RECORD lines (pip
+# checks the hashes of the files it installs against RECORD, and files absent from the zip
+# must not be listed). Rewrites in place; a second run is a no-op.
+"$PY" - "$DEST"/ray-2.60.0-*.whl "$DEST"/torchao-0.18.0-*.whl "$DEST"/bitsandbytes-0.50.2-*.whl <<'EOF'
 import fnmatch, os, sys, zipfile
 DROP = {"ray-": lambda n: n.startswith("ray/jars/") or n.endswith(".js.map"),
-        "torchao-": lambda n: fnmatch.fnmatch(n, "torchao/_C*.so")}
+        "torchao-": lambda n: fnmatch.fnmatch(n, "torchao/_C*.so"),
+        "bitsandbytes-": lambda n: (fnmatch.fnmatch(n, "bitsandbytes/libbitsandbytes_*.so")
+                                    and not n.endswith(("_cuda130.so", "_cpu.so")))}
 for src in sys.argv[1:]:
     drop = next(rule for prefix, rule in DROP.items() if os.path.basename(src).startswith(prefix))
     with zipfile.ZipFile(src) as zin:

@@ -15,6 +15,12 @@ GPU (bf16 autocast, SDPA attention, FSDP2 full-shard of Qwen2DecoderLayer, fused
   --lora-rank R: LoRA with `peft` (rank R, alpha 2R, the job's default targets), as its users set it up: the base
   loaded in bf16 and frozen, the adapters in fp32 (peft's autocast_adapter_dtype), bf16 autocast; MFU counts the
   frozen base as the job does (4 FLOPs per frozen parameter and token). Use with --fsdp off on one GPU.
+  --load-in-4bit (with --lora-rank): QLoRA as peft's users run it, the frozen linear layers in bitsandbytes' 4-bit
+  NF4 with double-quantized scales and bf16 compute (what `from_pretrained(quantization_config=BitsAndBytesConfig(
+  load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bf16))`
+  builds, here from the random init), then peft's `prepare_model_for_kbit_training`; add --grad-ckpt as its recipe
+  does. Needs the bitsandbytes package (carried slimmed: bench/device-wheels.sh).
+  --overrides JSON: the model's dimensions over the preset's, e.g. Qwen2.5-7B's (bench/benchmark.py QWEN_7B).
 CPU (CI): python bench/hf_trainer_baseline.py --preset qwen2-tiny --seq-len 32 --batch 2 --steps 3 --warmup 1
   (fp32, one process, no FSDP.)
 
@@ -91,6 +97,24 @@ def make_timer_callback():
     return StepTimer()
 
 
+def load_in_4bit(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    """Swap every linear layer but the head for bitsandbytes' `Linear4bit` (NF4, double-quantized scales), in
+    place, quantizing its weight on the model's device: what Transformers' bitsandbytes integration builds."""
+    import bitsandbytes as bnb
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and name != "lm_head":
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                          device="meta")
+                layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                                 quant_type="nf4").to(child.weight.device)
+                layer.bias = child.bias
+                setattr(module, name, layer)
+    model.is_loaded_in_4bit = True  # what peft's prepare_model_for_kbit_training looks for
+
+
 def parse_args(argv=None):
     p = peer_parser(__doc__, steps=15, warmup=5, warmup_help="steps left out of the median")
     p.add_argument("--fsdp", choices=["auto", "on", "off"], default="auto",
@@ -103,9 +127,13 @@ def parse_args(argv=None):
                    help="TrainingArguments(use_liger_kernel=True): Liger's fused RMSNorm, SwiGLU, RoPE and linear "
                         "cross-entropy (the fp32 logits are never materialised); Triton kernels, so CUDA only")
     p.add_argument("--lora-rank", type=int, help="LoRA with peft at this rank (alpha twice the rank)")
+    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the frozen linear layers in bitsandbytes' NF4")
+    p.add_argument("--overrides", type=json.loads, default={}, help="model dimensions over the preset's (JSON)")
     a = p.parse_args(argv)
     if a.lora_rank is not None and importlib.util.find_spec("peft") is None:
         p.error("--lora-rank needs the peft package (carry its wheel to the GPU machines)")
+    if a.load_in_4bit and (a.lora_rank is None or importlib.util.find_spec("bitsandbytes") is None):
+        p.error("--load-in-4bit needs --lora-rank and the bitsandbytes package (bench/device-wheels.sh carries it)")
     if a.steps <= a.warmup + 1:
         p.error("--steps must exceed --warmup + 1 (need at least two timed step ends)")
     if a.sdpa_backend == "cudnn" and not torch.cuda.is_available():
@@ -129,12 +157,18 @@ def main(argv=None) -> dict:
     use_fsdp = a.fsdp == "on" or (a.fsdp == "auto" and cuda and "WORLD_SIZE" in os.environ)
 
     torch.manual_seed(a.seed)
-    cfg = Qwen2Config(**PRESETS[a.preset], use_cache=False)
+    cfg = Qwen2Config(**{**PRESETS[a.preset], **a.overrides}, use_cache=False)
     # Build directly on this process's GPU (random init of 1.5B params on CPU is slow);
     # fp32 master weights, bf16 compute via the Trainer's autocast / FSDP2 mixed precision.
     base_dtype = torch.bfloat16 if cuda and a.lora_rank else torch.float32  # a frozen base needs no fp32 master
     with torch.device(f"cuda:{local_rank}" if cuda else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=base_dtype)
+    n_base = sum(p.numel() for p in model.parameters())  # counted before 4-bit packing halves the numel
+    if a.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        load_in_4bit(model, torch.bfloat16 if cuda else torch.float32)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=a.grad_ckpt)
     if a.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -142,8 +176,9 @@ def main(argv=None) -> dict:
 
         model = get_peft_model(model, LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank, lora_dropout=0.0,
                                                  target_modules=LORA_DEFAULT_TARGETS, task_type="CAUSAL_LM"))
-    n_params = sum(p.numel() for p in model.parameters())
-    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_params = n_base + (n_trained if a.lora_rank else 0)
+    n_frozen = n_params - n_trained
 
     fsdp_kw = {}
     if use_fsdp:
@@ -158,7 +193,7 @@ def main(argv=None) -> dict:
                 "activation_checkpointing": a.grad_ckpt,
             },
         )
-    if a.grad_ckpt and not use_fsdp:
+    if a.grad_ckpt and not use_fsdp and not a.load_in_4bit:  # prepare_model_for_kbit_training enabled it
         fsdp_kw["gradient_checkpointing"] = True  # only passed when used (renamed in newer 5.x)
     out_dir = tempfile.mkdtemp(prefix="hf_baseline_")
     args = TrainingArguments(
@@ -210,6 +245,7 @@ def main(argv=None) -> dict:
         "params": n_params,
         "trainable_params": n_params - n_frozen,
         "lora_rank": a.lora_rank,
+        "load_in_4bit": (f"bitsandbytes {importlib.metadata.version('bitsandbytes')}" if a.load_in_4bit else None),
         "world_size": world,
         "seq_len": a.seq_len,
         "batch_per_device": a.batch,

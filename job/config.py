@@ -72,6 +72,16 @@ class LoraConfig:
     merged_export: bool = False
     """Also export merged full weights (W + (alpha / rank)·B·A, a plain Hugging Face model) in `export/merged/`,
     beside the adapter; the storage must have room for the full model (checked at start)."""
+    quantize_base: Optional[Literal["nf4"]] = None
+    """QLoRA: hold the frozen base's target linear weights in 4-bit NormalFloat (`nf4`: blocks of 64 weights,
+    their scales double-quantized to 8 bits in blocks of 256, the QLoRA paper's recipe), dequantized to the
+    compute dtype layer by layer in forward and backward; adapters, norms, embeddings and the head as with LoRA.
+    The base is built one module at a time (never whole in 16 or 32 bits) and takes ~0.52 bytes per quantized
+    weight. Needs the `torchao` package (the chart adds it to `runtimeEnv.pip`). null: the base in bf16 on GPU."""
+
+    def adapts(self, module_name: str) -> bool:
+        """Whether the linear layer `module_name` is one of `targets` (by the last part of its name)."""
+        return module_name.rsplit(".", 1)[-1] in self.targets
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """Optional packages: the features that need a package a Ray training image may lack, and the one error a
 missing one gives.
 
-All else the job imports comes with `ray[train]` and torch. Four features need more:
+All else the job imports comes with `ray[train]` and torch. Five features need more:
 
 * `s3://` storage and sources need `s3fs`, which the AWS Ray Train DLC lacks. An s3fs release requires exactly the
   fsspec of its version, so the fix names `s3fs==<the installed fsspec>`, leaving the image's fsspec in place.
 * hub data sources (`hf:owner/name`) need `datasets` (in the DLC, not in stock `rayproject/ray`).
 * `parallel.float8` needs `torchao`, which no Ray image ships.
+* `model.lora.quantize_base` (QLoRA) needs `torchao` too (its NF4 tensor), which the chart then adds to
+  `runtimeEnv.pip`.
 * `logging.mlflow.tracking_uri` needs `mlflow` (`mlflow-skinny`), which the chart then adds to `runtimeEnv.pip`.
 
 `require` imports the package where the feature uses it, or raises `MissingPackage` naming the package, the
@@ -28,8 +30,9 @@ MLFLOW_VERSION = "3.17.2"
 """The `mlflow-skinny` pin of requirements-dev.txt (the client: no server, no UI), which the chart adds to
 `runtimeEnv.pip` when `logging.mlflow.tracking_uri` is set (a test keeps them equal)."""
 TORCHAO_VERSION = "0.18.0"
-"""The `torchao` pin of requirements-dev.txt and bench/device-wheels.sh: the first release that is ABI-stable
-across torch >= 2.11 (the GPU machines' 2.11 and the image's 2.13)."""
+"""The `torchao` pin of requirements-dev.txt, bench/device-wheels.sh and the chart's runtime env for QLoRA (a test
+keeps them equal): the first release that is ABI-stable across torch >= 2.11 (the GPU machines' 2.11 and the
+image's 2.13); its NF4 tensor is plain PyTorch, so it needs none of the compiled kernels."""
 
 
 class MissingPackage(ImportError):
@@ -86,5 +89,7 @@ def check_config(cfg) -> None:
             require(module, f"{key}: {uri}")
     if cfg.parallel.float8 != "none":
         require("torchao", f"parallel.float8: {cfg.parallel.float8}")
+    if cfg.model.lora.quantize_base:
+        require("torchao", f"model.lora.quantize_base: {cfg.model.lora.quantize_base}")
     if cfg.logging.mlflow.tracking_uri:
         require("mlflow", f"logging.mlflow.tracking_uri: {cfg.logging.mlflow.tracking_uri}")

@@ -114,7 +114,17 @@ RULES = (
          "contradicts model.tokenizer: load a tokenizer or train one"),
     Rule("model.tokenizer", _real("model.tokenizer is None and model.path is None and model.train_tokenizer_vocab is None"),
          "real data needs a tokenizer: set model.tokenizer, model.path or model.train_tokenizer_vocab"),
-    Rule("model.lora.rank", "model.lora.rank is not None and parallel.float8 != 'none'",
+    Rule("model.lora.quantize_base", "model.lora.quantize_base is not None and model.lora.rank is None",
+         "{model.lora.quantize_base} quantizes LoRA's frozen base, and model.lora.rank is null (a full fine-tune "
+         "trains every weight); set model.lora.rank (QLoRA) or model.lora.quantize_base: null"),
+    Rule("model.lora.quantize_base", "model.lora.quantize_base is not None and parallel.float8 != 'none'",
+         "{model.lora.quantize_base} does not run with parallel.float8: {parallel.float8} (the 4-bit base is "
+         "dequantized to bf16 for its GEMMs; float8 would quantize it again); set parallel.float8: none"),
+    Rule("model.lora.quantize_base", "model.lora.quantize_base is not None and parallel.cpu_offload",
+         "{model.lora.quantize_base} is not supported with parallel.cpu_offload (the 4-bit base already takes about "
+         "a quarter of a bf16 base's memory; FSDP2's offload of its shards is untested); set parallel.cpu_offload: false"),
+    Rule("model.lora.rank", "model.lora.rank is not None and model.lora.quantize_base is None "
+         "and parallel.float8 != 'none'",
          "LoRA does not run with parallel.float8: {parallel.float8} (the frozen weights would be cast to float8 in "
          "every GEMM and the adapters' small GEMMs gain nothing); set parallel.float8: none or model.lora.rank: null"),
     Rule("model.lora.merged_export", "model.lora.rank is None and model.lora.merged_export",

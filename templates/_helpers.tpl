@@ -425,19 +425,25 @@ workerGroups:
 {{- end }}
 
 {{/*
-The job's Ray runtime env: `runtimeEnv`, plus the MLflow client when `run.logging.mlflow.tracking_uri` is set (the
-image has no mlflow; the pin is job/packages.py's MLFLOW_VERSION) unless the pip list names an mlflow already.
-The run record lists what it installed (run.json `runtime_env.requirements`). Empty: no runtime env.
+The job's Ray runtime env: `runtimeEnv`, plus what a feature asked for needs and the image lacks, each unless the
+pip list names that package already: the MLflow client when `run.logging.mlflow.tracking_uri` is set, torchao when
+`run.model.lora.quantize_base` is (QLoRA's NF4 tensor); the pins are job/packages.py's MLFLOW_VERSION and
+TORCHAO_VERSION. The run record lists what it installed (run.json `runtime_env.requirements`). Empty: no runtime env.
 */}}
 {{- define "ray-finetune.runtimeEnv" -}}
 {{- $env := deepCopy .Values.runtimeEnv }}
-{{- if ((.Values.run.logging).mlflow).tracking_uri }}
+{{- $needed := list }}
+{{- if ((.Values.run.logging).mlflow).tracking_uri }}{{ $needed = append $needed (list "mlflow" "mlflow-skinny==3.17.2") }}{{ end }}
+{{- if ((.Values.run.model).lora).quantize_base }}{{ $needed = append $needed (list "torchao" "torchao==0.18.0") }}{{ end }}
+{{- range $needed }}
+{{- $prefix := index . 0 }}
+{{- $pin := index . 1 }}
 {{- $pip := $env.pip | default list }}
 {{- $list := kindIs "map" $pip | ternary (get (kindIs "map" $pip | ternary $pip dict) "packages") $pip | default list }}
 {{- $named := false }}
-{{- range $list }}{{ if hasPrefix "mlflow" (toString .) }}{{ $named = true }}{{ end }}{{ end }}
+{{- range $list }}{{ if hasPrefix $prefix (toString .) }}{{ $named = true }}{{ end }}{{ end }}
 {{- if not $named }}
-{{- $list = append $list "mlflow-skinny==3.17.2" }}
+{{- $list = append $list $pin }}
 {{- if kindIs "map" $pip }}{{ $_ := set $pip "packages" $list }}{{ else }}{{ $_ := set $env "pip" $list }}{{ end }}
 {{- end }}
 {{- end }}

@@ -35,7 +35,16 @@ message, its field paths prefixed run. */}}
 {{- if (and (ne (index $r "data" "format") "synthetic") (kindIs "invalid" (index $r "model" "tokenizer")) (kindIs "invalid" (index $r "model" "path")) (kindIs "invalid" (index $r "model" "train_tokenizer_vocab"))) }}
 {{- fail (printf "run.model.tokenizer: real data needs a tokenizer: set run.model.tokenizer, run.model.path or run.model.train_tokenizer_vocab") }}
 {{- end }}
-{{- if (and (not (kindIs "invalid" (index $r "model" "lora" "rank"))) (ne (index $r "parallel" "float8") "none")) }}
+{{- if (and (not (kindIs "invalid" (index $r "model" "lora" "quantize_base"))) (kindIs "invalid" (index $r "model" "lora" "rank"))) }}
+{{- fail (printf "run.model.lora.quantize_base: %v quantizes LoRA's frozen base, and run.model.lora.rank is null (a full fine-tune trains every weight); set run.model.lora.rank (QLoRA) or run.model.lora.quantize_base: null" (index $r "model" "lora" "quantize_base")) }}
+{{- end }}
+{{- if (and (not (kindIs "invalid" (index $r "model" "lora" "quantize_base"))) (ne (index $r "parallel" "float8") "none")) }}
+{{- fail (printf "run.model.lora.quantize_base: %v does not run with run.parallel.float8: %v (the 4-bit base is dequantized to bf16 for its GEMMs; float8 would quantize it again); set run.parallel.float8: none" (index $r "model" "lora" "quantize_base") (index $r "parallel" "float8")) }}
+{{- end }}
+{{- if (and (not (kindIs "invalid" (index $r "model" "lora" "quantize_base"))) (index $r "parallel" "cpu_offload")) }}
+{{- fail (printf "run.model.lora.quantize_base: %v is not supported with run.parallel.cpu_offload (the 4-bit base already takes about a quarter of a bf16 base's memory; FSDP2's offload of its shards is untested); set run.parallel.cpu_offload: false" (index $r "model" "lora" "quantize_base")) }}
+{{- end }}
+{{- if (and (not (kindIs "invalid" (index $r "model" "lora" "rank"))) (kindIs "invalid" (index $r "model" "lora" "quantize_base")) (ne (index $r "parallel" "float8") "none")) }}
 {{- fail (printf "run.model.lora.rank: LoRA does not run with run.parallel.float8: %v (the frozen weights would be cast to float8 in every GEMM and the adapters' small GEMMs gain nothing); set run.parallel.float8: none or run.model.lora.rank: null" (index $r "parallel" "float8")) }}
 {{- end }}
 {{- if (and (kindIs "invalid" (index $r "model" "lora" "rank")) (index $r "model" "lora" "merged_export")) }}

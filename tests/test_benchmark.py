@@ -87,6 +87,26 @@ def test_lora_rows_are_compared_with_the_trainer_and_peft(capsys):
         ["1.00", "-"], ["-", "1.00"], ["-", "1.50"], ["1.10", "-"], ["1.00", "-"], ["1.40", "-"]]
 
 
+def test_qlora_rows_are_compared_with_the_trainer_peft_and_bitsandbytes_of_the_same_shape(capsys):
+    """The 7B QLoRA row's ratios are to the Trainer + peft + bitsandbytes 4-bit of the 7B shape (plain and with
+    Liger), the 7B LoRA row's to the Trainer + peft of that shape; the 32B row has no peer."""
+    benchmark = load_benchmark()
+    row = dict(gpus=1, batch=1, accum=1, mfu=None, step_time_s=1.0, peak_mem_gib=None)
+    benchmark.print_table([
+        {**row, "variant": "hf-qlora-7b", "launcher": "hf", "tokens_per_s_per_device": 100.0},
+        {**row, "variant": "hf-qlora-liger-7b", "launcher": "hf", "tokens_per_s_per_device": 125.0},
+        {**row, "variant": "qlora-7b", "launcher": "torchrun", "tokens_per_s_per_device": 150.0},
+        {**row, "variant": "hf-peft-7b", "launcher": "hf", "tokens_per_s_per_device": 200.0},
+        {**row, "variant": "lora-7b", "launcher": "torchrun", "tokens_per_s_per_device": 300.0},
+        {**row, "variant": "qlora-32b", "launcher": "torchrun", "tokens_per_s_per_device": 30.0},
+    ])
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[-2:] for line in lines] == [
+        ["1.00", "0.80"], ["1.25", "1.00"], ["1.50", "1.20"], ["1.00", "-"], ["1.50", "-"], ["-", "-"]]
+    v = benchmark.VARIANTS
+    assert v["hf-qlora-7b"].overrides["load-in-4bit"] and v["qlora-7b"].overrides["model.lora.quantize_base"] == "nf4"
+
+
 def test_liger_and_fp8_variants_pass_their_options():
     """`hf-liger` passes the baseline script's `--liger` flag; the FP8 rows are best-cudnn plus rowwise float8."""
     benchmark = load_benchmark()

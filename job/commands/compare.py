@@ -18,7 +18,7 @@ ENVIRONMENT_GROUPS = ("image", "runtime_env", "packages", "config", "data", "har
 # Config keys that name or place the run rather than define it (job/config.py's RunConfig.name
 # and .storage_path); ignored by default, `--ignore-config` replaces the list.
 DEFAULT_IGNORED_CONFIG = ("name", "storage_path", "run_name", "run.name")
-_RESULT_KEYS = ("method", "lora_rank", "trainable_params", "final_eval_loss", "best_eval_loss", "final_train_loss", "tokens_per_s_per_device",
+_RESULT_KEYS = ("method", "lora_rank", "quantize_base", "base_gib", "trainable_params", "final_eval_loss", "best_eval_loss", "final_train_loss", "tokens_per_s_per_device",
                 "tokens_per_s", "mfu", "peak_mem_gib", "steps")
 
 

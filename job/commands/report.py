@@ -60,10 +60,13 @@ def _duration(seconds: Any) -> str:
 
 
 def _method(summary: dict) -> str:
-    """`full fine-tune`, `LoRA (rank r)`, or `-` for records from before the method was logged."""
+    """`full fine-tune`, `LoRA (rank r)`, `QLoRA (rank r, nf4 base)`, or `-` for records from before the method was
+    logged."""
     method = summary.get("method")
     if method == "lora":
         return f"LoRA (rank {summary.get('lora_rank')})"
+    if method == "qlora":
+        return f"QLoRA (rank {summary.get('lora_rank')}, {summary.get('quantize_base')} base)"
     return "full fine-tune" if method == "full" else "-"
 
 
@@ -274,6 +277,7 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
     lines += ["## Results", "", "| metric | value |", "|---|---|",
               f"| method | {_method(m)} |",
               f"| trainable parameters | {_fmt(m.get('trainable_params'))} |",
+              f"| frozen base per device (GiB) | {_fmt(m.get('base_gib'))} |",
               f"| steps | {_fmt(m.get('steps'))} |",
               f"| final train loss | {_fmt(m.get('final_train_loss'))} |",
               f"| final eval loss | {_fmt(m.get('final_eval_loss'))} |",

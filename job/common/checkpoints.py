@@ -190,9 +190,10 @@ IDENTITY_FIELDS = {"tokenizer": "tokenizer", "data": "data", "seq_len": "train.s
 """Each `run_identity` key and the setting it is named by in a refusal."""
 
 
-ADAPTER_FIELDS = {"lora": "model.lora (rank, alpha, targets)", "base": "the frozen base weights (model.path)"}
-"""`adapter_identity`'s keys: a LoRA checkpoint holds adapters of one base, never resumed onto another, nor by
-a full fine-tune (or the other way round); no `allow_changes` lifts these."""
+ADAPTER_FIELDS = {"lora": "model.lora (rank, alpha, targets)", "base": "the frozen base weights (model.path)",
+                  "quantization": "the frozen base's quantization (model.lora.quantize_base)"}
+"""`adapter_identity`'s keys: a LoRA checkpoint holds adapters of one base as quantized (QLoRA) or not, never
+resumed onto another, nor by a full fine-tune (or the other way round); no `allow_changes` lifts these."""
 
 
 def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> dict:
@@ -214,12 +215,12 @@ def run_identity(cfg: config_lib.RunConfig, world: int, fingerprint: dict) -> di
     }
 
 
-def adapter_identity(cfg: config_lib.RunConfig, base_fingerprint: dict) -> dict:
-    """A LoRA run's identity keys beyond `run_identity`'s: the adapters' shape and the sha256 of the base weights'
-    fingerprint (`model.weights_fingerprint`)."""
+def adapter_identity(cfg: config_lib.RunConfig, base_fingerprint: dict, quantization: dict | None = None) -> dict:
+    """A LoRA run's identity keys beyond `run_identity`'s: the adapters' shape, the sha256 of the base weights'
+    fingerprint (`model.weights_fingerprint`) and the base's quantization (QLoRA's recipe; None: 16 bits)."""
     lora = cfg.model.lora
     return {"lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": sorted(lora.targets)},
-            "base": storage.json_sha256(base_fingerprint)}
+            "base": storage.json_sha256(base_fingerprint), "quantization": quantization}
 
 
 def check_identity(uri: str, state: dict, identity: dict, allowed: list[str], keys=None) -> None:
@@ -236,8 +237,8 @@ def check_identity(uri: str, state: dict, identity: dict, allowed: list[str], ke
         saved = {k: v for k, v in saved.items() if k in keys}
     adapters = [key for key in ADAPTER_FIELDS if (keys is None or key in keys) and saved.get(key) != identity.get(key)]
     if adapters:
-        detail = "; ".join(f"{ADAPTER_FIELDS[k]}: checkpoint {_identity_value(saved.get(k))}, now "
-                           f"{_identity_value(identity.get(k))}" for k in adapters)
+        detail = "; ".join(f"{ADAPTER_FIELDS[k]}: checkpoint {_identity_value(k, saved.get(k))}, now "
+                           f"{_identity_value(k, identity.get(k))}" for k in adapters)
         raise ResumeRefused(f"checkpoint {uri}: holds what another model trains ({detail}). Restore model.path "
                             "and model.lora, or start a new run name")
     differ = [key for key in IDENTITY_FIELDS if key in saved and saved[key] != identity[key] and key not in allowed]
@@ -250,9 +251,9 @@ def check_identity(uri: str, state: dict, identity: dict, allowed: list[str], ke
             f"name, or, if the change is intended, set checkpoint.allow_changes: [{', '.join(differ)}]")
 
 
-def _identity_value(value) -> str:
+def _identity_value(key: str, value) -> str:
     if value is None:
-        return "none (full fine-tune)"
+        return "none (not quantized)" if key == "quantization" else "none (full fine-tune)"
     return f"sha256 {value[:12]}…" if isinstance(value, str) else json.dumps(value)
 
 

@@ -576,8 +576,8 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
     """Summary of metrics.jsonl rows for the record and the report.
 
     Throughput and MFU are medians over the second half of the train steps (the first includes compilation and
-    warm-up), peak memory the maximum, `task_eval` the last result per task; method, LoRA rank and trainable
-    parameters come from the start row.
+    warm-up), peak memory the maximum, `task_eval` the last result per task; method, LoRA rank, trainable
+    parameters, the frozen base's quantization and memory per device come from the start row.
     """
     rows = list(rows)
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r.get("step", 0))
@@ -595,6 +595,8 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
         "method": start.get("method"),
         "lora_rank": start.get("lora_rank"),
         "trainable_params": start.get("trainable_params"),
+        "quantize_base": start.get("quantize_base"),
+        "base_gib": start.get("base_gib"),
         "steps": train[-1].get("step") if train else None,
         "final_train_loss": train[-1].get("loss") if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,

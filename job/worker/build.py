@@ -25,6 +25,7 @@ from .faults import FaultInjection, write_pid
 from .metrics import MetricsLogger, Timeline, flops_per_token, peak_flops
 from .model.causal_lm import CausalLMWithLoss, build_causal_lm, load_tokenizer, weights_fingerprint
 from .model.export import merged_room_problem
+from .model import nf4
 from .model.lora import add_adapters
 from .model.parallelize import device_mesh, parallelize
 from .objective import NextTokenPrediction
@@ -114,7 +115,8 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
                                keep_until_step=start_step, sinks=sinks)
     worker = Worker(cfg, run_dir, device, rank, world, bf16, timeline, logger)
     worker.log({"kind": "start", "params": n_params, "trainable_params": n_trainable,
-                "method": "lora" if adapted else "full", "lora_rank": cfg.model.lora.rank, "lora_layers": len(adapted),
+                "method": method(cfg.model.lora) if adapted else "full", "lora_rank": cfg.model.lora.rank,
+                "lora_layers": len(adapted), **base_memory(model, cfg.model.lora),
                 "flops_per_token": flops_tok, "world_size": world,
                 "mesh": list(mesh.shape), "sharded": isinstance(model, FSDPModule), "device": str(device), "bf16": bf16,
                 "data": dataset.fingerprint, "data_cache": data_cache, "compile_cache": cache_state})
@@ -158,13 +160,30 @@ def start_watchdog(worker: Worker, record: dict | None, start_step: int) -> Watc
     return watchdog
 
 
+def method(lora: config_lib.LoraConfig) -> str:
+    return "qlora" if lora.quantize_base else "lora"
+
+
+def base_memory(model: CausalLMWithLoss, lora: config_lib.LoraConfig) -> dict:
+    """The start record's account of the frozen base on this rank's device (after sharding and casting): its GiB,
+    and with QLoRA the quantization, its library and how many weights are NF4 (and kept whole outside FSDP2)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    out = {"base_gib": sum(nf4.nbytes(p) for p in frozen) / 2**30, "quantize_base": lora.quantize_base}
+    if lora.quantize_base:
+        quantized = [p for p in frozen if nf4.is_nf4(p)]
+        out.update(quantization={**nf4.recipe(lora), "library": nf4.library()}, nf4_weights=len(quantized))
+        if isinstance(model, FSDPModule):
+            out["nf4_whole_on_every_rank"] = sum(1 for p in quantized if not hasattr(p, "_local_tensor"))
+    return out
+
+
 def lora_preflight(cfg: config_lib.RunConfig, run_dir: str, weights: Callable[[], dict], n_frozen: int,
                    bf16: bool) -> dict:
     """A LoRA run's identity keys (from rank 0's fingerprint of the base weights) and, with
     `model.lora.merged_export`, rank 0's check of room for the merged weights; before the first step (collective)."""
     problem = None
     if dist.get_rank() == 0:
-        identity = checkpoints.adapter_identity(cfg, weights())
+        identity = checkpoints.adapter_identity(cfg, weights(), nf4.recipe(cfg.model.lora))
         if cfg.model.lora.merged_export:
             problem = merged_room_problem(run_dir, n_frozen * (2 if bf16 else 4))
     box = [identity if dist.get_rank() == 0 else None, problem]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -20,8 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import storage
 from ...common.presets import hf_config
-from ...config import ModelConfig
+from ...config import ConfigError, ModelConfig
 from ..data import IGNORE_INDEX
+from . import nf4
 from .loss import chunked_cross_entropy
 
 if TYPE_CHECKING:
@@ -66,13 +67,17 @@ def weights_fingerprint(cfg: ModelConfig) -> dict:
     return out
 
 
-def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int) -> PreTrainedModel:
+def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int, quantized: bool = True) -> PreTrainedModel:
     """The causal LM in fp32 on the current default device: loaded, or seeded random init (same on all ranks).
 
-    `vocab_size` (from a trained tokenizer) resizes a preset's vocabulary.
+    `vocab_size` (from a trained tokenizer) resizes a preset's vocabulary. With `model.lora.quantize_base` (QLoRA)
+    it is built module by module (`build_module_by_module`), the adapters' target weights in NF4 unless
+    `quantized` is False (the same base in fp32: what the adapter is served on).
     """
     from transformers import AutoModelForCausalLM
 
+    if cfg.lora.quantize_base:
+        return build_module_by_module(cfg, vocab_size, seed, quantized)
     common = dict(attn_implementation=cfg.attn_implementation, dtype=torch.float32)
     if cfg.init == "pretrained":
         return AutoModelForCausalLM.from_pretrained(
@@ -88,6 +93,82 @@ def skeleton(cfg: ModelConfig) -> PreTrainedModel:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config(cfg))
+
+
+def build_module_by_module(cfg: ModelConfig, vocab_size: int | None, seed: int, quantize: bool) -> PreTrainedModel:
+    """The LM on the current default device, one module at a time: each module's parameters made in fp32 (seeded
+    random values from the model's own `_init_weights`, or `model.path`'s safetensors tensors, read one at a time),
+    then, with `quantize`, each LoRA target's weight quantized to NF4, before the next module is made. The device
+    holds the model so far plus one module in fp32: Qwen2.5-32B's shape needs ~25 GB (NF4 layers, fp32 embeddings
+    and head), never the 128 GB of the whole model in fp32 nor 64 GB in bf16; the host, one tensor. A random
+    init draws its own stream, module after module, not `from_config`'s (a random QLoRA base is not the random
+    LoRA base of the same seed; a pretrained one is the same weights)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    device = torch.get_default_device()
+    if device.type == "cuda" and device.index is None:  # safetensors reads onto a numbered device
+        device = torch.device("cuda", torch.cuda.current_device())
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), attn_implementation=cfg.attn_implementation,
+                                              dtype=torch.float32)
+    files = None if cfg.init == "random" else SafetensorsFiles(cfg, device)
+    torch.manual_seed(seed)
+    made: dict[nn.Parameter, nn.Parameter] = {}  # meta parameter -> its tensor: tied weights stay one tensor
+    for name, module in lm.named_modules():
+        fresh = [key for key, param in module._parameters.items() if param is not None and param not in made]
+        for key, param in module._parameters.items():
+            if param is not None:
+                if param not in made:
+                    made[param] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                module._parameters[key] = made[param]
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = torch.empty_like(buffer, device=device)
+        if fresh or module._buffers:
+            lm._init_weights(module)  # random values, and the buffers' (rotary frequencies)
+        if files is not None:
+            with torch.no_grad():
+                for key in fresh:
+                    module._parameters[key].copy_(files.tensor(f"{name}.{key}" if name else key))
+        if quantize and "weight" in fresh and isinstance(module, nn.Linear) and cfg.lora.adapts(name) \
+                and nf4.quantizable(module.weight):
+            module.weight = nf4.quantize(module.weight)
+    if files is not None:
+        lm.eval()  # as `from_pretrained` returns it
+        with suppress(OSError):
+            lm.generation_config = GenerationConfig.from_pretrained(files.directory)
+    return lm
+
+
+class SafetensorsFiles:
+    """`model.path`'s safetensors tensors by name, each read onto `device` when asked for (a hub id: its snapshot)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        from safetensors import safe_open
+
+        self.path = cfg.path
+        self.directory = cfg.path
+        if not os.path.isdir(cfg.path):
+            from huggingface_hub import snapshot_download
+
+            self.directory = snapshot_download(cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"),
+                                               allow_patterns=["*.safetensors", "*.json"])
+        names = sorted(n for n in os.listdir(self.directory) if n.endswith(".safetensors"))
+        if not names:
+            found = sorted(n for n in os.listdir(self.directory) if n.endswith(WEIGHT_SUFFIXES))
+            raise ConfigError(f"model.lora.quantize_base: {cfg.lora.quantize_base} reads the base one tensor at a time "
+                              f"from safetensors files, and {cfg.path} has none (weights: {', '.join(found) or 'none'});"
+                              " save the model with save_pretrained(safe_serialization=True)")
+        self.where = {}
+        for name in names:
+            handle = safe_open(os.path.join(self.directory, name), framework="pt", device=str(device))
+            self.where.update(dict.fromkeys(handle.keys(), handle))
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise ConfigError(f"model.path: {self.path} has no tensor {key} (model.lora.quantize_base builds the model "
+                              "from the safetensors tensors of its parameters' names)")
+        return self.where[key].get_tensor(key)
 
 
 class CausalLMWithLoss(nn.Module):

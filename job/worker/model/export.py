@@ -35,6 +35,8 @@ from .. import data as data_lib
 from ..data import vocabulary_sha256
 from ..evaluation.generate import greedy_generate
 from .causal_lm import CausalLMWithLoss, build_causal_lm
+from .lora import add_adapters, merged_state_dict
+from .nf4 import cast_unquantized
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -143,7 +145,7 @@ def _write(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, cfg: 
         with open(os.path.join(stage, ADAPTER_CONFIG), "w") as f:
             json.dump(peft_adapter_config(cfg, sorted({key.split(".")[-3] for key in adapters})), f, indent=1)
         if cfg.model.lora.merged_export:
-            lm.save_pretrained(os.path.join(stage, MERGED), safe_serialization=True)
+            lm.save_pretrained(os.path.join(stage, MERGED), state_dict=merged_state_dict(lm), safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(stage, MERGED))
     if tokenizer is not None:
@@ -264,6 +266,10 @@ def accept(export_dir: str) -> dict:
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             loss, n_targets = _heldout_loss(lm, cfg, blocks, ref["batch_sizes"], device)
             lap("heldout_s")
+            if adapter and cfg.model.lora.quantize_base:
+                result["bf16_base"] = _served_on_16_bits(export_dir, cfg, tokenizer, ref, blocks, device,
+                                                         sum(p.numel() for p in lm.parameters()), loss)
+                lap("bf16_base_s")
             if adapter and os.path.exists(os.path.join(export_dir, MERGED)):
                 merged = _load_full(os.path.join(export_dir, MERGED), device)
                 result["merged_eval_loss"], _ = _heldout_loss(merged, cfg, blocks, ref["batch_sizes"], device)
@@ -309,25 +315,47 @@ def _load_full(path: str, device: torch.device) -> PreTrainedModel:
 
 
 def base_with_adapter(export_dir: str, cfg: config_lib.RunConfig, tokenizer: PreTrainedTokenizerBase | None,
-                      dtype: str, device: torch.device) -> PreTrainedModel:
+                      dtype: str, device: torch.device, quantized: bool = True) -> PreTrainedModel:
     """The run's base model (`model.path`, or the seeded random init again) with the export's adapter merged as
     PEFT computes it, `W + (lora_alpha / r)·B·A`, in `dtype`: what a PEFT loader gets, without PEFT (not in the
-    image)."""
+    image). QLoRA's base is quantized again as in training (bit for bit: the same weights, the same quantization)
+    and the adapters computed beside its NF4 weights, as training did; `quantized` False merges them into its
+    16-bit weights instead (how peft and vLLM serve a QLoRA adapter)."""
     from safetensors.torch import load_file
 
     with open(os.path.join(export_dir, ADAPTER_CONFIG)) as f:
         adapter = json.load(f)
     scaling = adapter["lora_alpha"] / adapter["r"]
     with torch.device(device):
-        lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed)
+        lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed,
+                             quantized)
     weights = load_file(os.path.join(export_dir, ADAPTER_WEIGHTS), device=str(device))
     prefix, suffix = "base_model.model.", ".lora_A.weight"
-    with torch.no_grad():
-        for key in (k for k in weights if k.endswith(suffix)):
-            module = key[len(prefix):-len(suffix)]
-            a, b = weights[key].float(), weights[f"{prefix}{module}.lora_B.weight"].float()
-            lm.get_submodule(module).weight.add_(scaling * (b @ a))
-    return lm.to(getattr(torch, dtype.removeprefix("torch."))).eval()
+    if quantized and cfg.model.lora.quantize_base:  # QLoRA as trained: the adapters beside the NF4 weights
+        add_adapters(lm, cfg.model.lora)
+        lm.load_state_dict({key[len(prefix):]: value for key, value in weights.items()}, strict=False)
+    else:
+        with torch.no_grad():
+            for key in (k for k in weights if k.endswith(suffix)):
+                module = key[len(prefix):-len(suffix)]
+                a, b = weights[key].float(), weights[f"{prefix}{module}.lora_B.weight"].float()
+                lm.get_submodule(module).weight.add_(scaling * (b @ a))
+    cast_unquantized(lm.parameters(), getattr(torch, dtype.removeprefix("torch.")))
+    return lm.eval()
+
+
+def _served_on_16_bits(export_dir: str, cfg: config_lib.RunConfig, tokenizer: PreTrainedTokenizerBase | None,
+                       ref: dict, blocks: dict[str, torch.Tensor], device: torch.device, params: int,
+                       quantized_loss: float) -> dict:
+    """A QLoRA adapter as peft and vLLM serve it, on the base in 16 bits: its held-out loss and the difference from
+    the quantized base's (informative, not held to the tolerance: what serving without the quantization changes),
+    or why it was not measured (no room on the device for the `params` base in fp32 beside training's process)."""
+    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 4.4 * params:
+        return {"skipped": f"needs {4 * params / 2**30:.1f} GiB of the device for the base in fp32"}
+    lm = base_with_adapter(export_dir, cfg, tokenizer, ref["dtype"], device, quantized=False)
+    loss, _ = _heldout_loss(lm, cfg, blocks, ref["batch_sizes"], device)
+    del lm
+    return {"eval_loss": loss, "minus_quantized": loss - quantized_loss}
 
 
 def _heldout_loss(lm: PreTrainedModel, cfg: config_lib.RunConfig, blocks: dict[str, torch.Tensor],

@@ -31,9 +31,25 @@ class LoraLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
-        """`W + (alpha / r)·B·A` in fp32, gathered when sharded."""
-        weight, a, b = (full(p).float() for p in (self.weight, self.lora_A.weight, self.lora_B.weight))
+        """`W + (alpha / r)·B·A` in fp32 (an NF4 `W` dequantized), gathered when sharded."""
+        weight, a, b = (full(p).to(torch.float32) for p in (self.weight, self.lora_A.weight, self.lora_B.weight))
         return weight + self.scaling * (b @ a)
+
+    def unsharded(self, dtype: torch.dtype, device: torch.device) -> LoraLinear:
+        """A plain copy of this layer on `device` (gathered when sharded), for generation and the export: its
+        weight as it is (an NF4 weight stays 4-bit), the bias and adapters in `dtype`. Drawing nothing from the
+        random generators, it leaves training's streams where they were."""
+        with torch.device("meta"):
+            shape = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        copy = LoraLinear(shape, self.lora_A.out_features, 1.0, 0.0)  # on the meta device: nothing drawn
+        copy.scaling = self.scaling
+        copy.weight = nn.Parameter(full(self.weight).to(device), requires_grad=False)
+        if self.bias is not None:
+            copy.bias = nn.Parameter(full(self.bias).to(device, dtype), requires_grad=False)
+        for name in ("lora_A", "lora_B"):
+            adapter = getattr(copy, name).to_empty(device=device).to(dtype).requires_grad_(False)
+            adapter.weight.copy_(full(getattr(self, name).weight))
+        return copy.eval()
 
 
 def add_adapters(lm: nn.Module, cfg: LoraConfig) -> list[str]:
@@ -42,7 +58,7 @@ def add_adapters(lm: nn.Module, cfg: LoraConfig) -> list[str]:
     if problem := targets_problem(lm, cfg):
         raise ConfigError(problem)
     linear = {name: module for name, module in lm.named_modules() if isinstance(module, nn.Linear)}
-    chosen = [name for name in linear if name.rsplit(".", 1)[-1] in cfg.targets]
+    chosen = [name for name in linear if cfg.adapts(name)]
     lm.requires_grad_(False)
     for name in chosen:
         parent, _, child = name.rpartition(".")
@@ -69,3 +85,12 @@ def adapter_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
 
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def merged_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """`lm`'s weights as a plain model's, under its own names: each `LoraLinear` of a QLoRA copy
+    (`LoraLinear.unsharded`) merged, its NF4 weight dequantized, in its adapters' dtype on the CPU (one layer on the
+    device at a time); every other tensor as it is."""
+    adapted = {f"{name}.weight": module for name, module in lm.named_modules() if isinstance(module, LoraLinear)}
+    return {name: (adapted[name].merged_weight().to(adapted[name].lora_A.weight.dtype).cpu() if name in adapted
+                   else tensor) for name, tensor in lm.state_dict().items() if not is_adapter(name)}

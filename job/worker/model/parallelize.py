@@ -15,6 +15,7 @@ from ... import packages
 from ...config import ParallelConfig
 from .causal_lm import CausalLMWithLoss, full, plain_name
 from .lora import LoraLinear, is_adapter
+from .nf4 import cast_unquantized, fsdp_can_shard, is_nf4
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -29,23 +30,33 @@ def gathered_copy(model: CausalLMWithLoss, dtype: torch.dtype, device: torch.dev
     Collective: every rank all-gathers each parameter in turn (peak: one full parameter beyond the copy). Each
     rank then generates on its own, without FSDP's hooks and collectives, so ranks need not stay in lockstep. The
     copy has its own config, or an attention switch on it (`use_grouped_decode`) would switch the training
-    model's too. LoRA layers are merged into plain ones.
+    model's too. LoRA layers are merged into plain ones; QLoRA's keep their NF4 weight (gathered, 4-bit: never the
+    base in 16 bits) with the adapters beside it (`LoraLinear.unsharded`), so on one GPU, where it shares the
+    training model's NF4 weights, the copy costs only the unquantized parameters.
     """
     from copy import deepcopy
 
     from transformers import AutoModelForCausalLM
 
     lm = model.lm
-    adapted = {f"{name}.weight": module for name, module in lm.named_modules() if isinstance(module, LoraLinear)}
+    adapted = {plain_name(name): module for name, module in lm.named_modules() if isinstance(module, LoraLinear)}
+    quantized = {name: module for name, module in adapted.items() if is_nf4(module.weight)}
     with torch.device("meta"):
         copy = AutoModelForCausalLM.from_config(deepcopy(lm.config), dtype=dtype,
                                                 attn_implementation=lm.config._attn_implementation)
+    for name in quantized:  # set below, so that no 16-bit weight is allocated for them
+        parent, _, child = name.rpartition(".")
+        copy.get_submodule(parent).register_module(child, None)
     copy.to_empty(device=device)
+    for name, module in quantized.items():  # QLoRA: kept in 4 bits (merged, a weight would take 4x the memory)
+        parent, _, child = name.rpartition(".")
+        copy.get_submodule(parent).register_module(child, module.unsharded(dtype, device))
     targets = dict(copy.named_parameters())
     for name, param in lm.named_parameters():
-        if is_adapter(name):
+        module_name = plain_name(name).rpartition(".")[0]
+        if is_adapter(name) or module_name in quantized:
             continue
-        module = adapted.get(name)
+        module = adapted.get(module_name) if name.endswith(".weight") else None
         targets[plain_name(name)].copy_(module.merged_weight() if module else full(param))
     for name, buffer in lm.named_buffers():  # e.g. rotary frequencies, which FSDP leaves unsharded
         copy.get_buffer(plain_name(name)).copy_(buffer)
@@ -117,8 +128,10 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
     First the linear layers may become float8 ones (`convert_to_float8`). Then per layer: activation checkpointing,
     `torch.compile` (one graph per layer: the layers are identical, so it compiles once), sharding. With bf16,
     parameters are gathered and computed in bf16 while master weights and optimizer state stay fp32; gradients
-    are reduced in `cfg.reduce_dtype`. LoRA's frozen base is sharded the same way or, unsharded with bf16, kept in
-    bf16 (nothing updates it).
+    are reduced in `cfg.reduce_dtype`. With bf16, LoRA's frozen base is cast to bf16 once (nothing updates it, and
+    it is computed in bf16 either way), then sharded like the rest. QLoRA's NF4 weights shard as 4-bit codes and
+    scales; on a one-rank shard group, or when its scale blocks do not divide among the group (a tiny model's),
+    one stays whole on every rank, outside FSDP2 (`ignored_params`).
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -131,6 +144,9 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
         shard_args["offload_policy"] = CPUOffloadPolicy()
     # Activation checkpointing recomputes a layer in backward, outside the forward that swapped the copies in.
     shard = mesh.size() > 1 or cfg.fsdp == "always" or cfg.cpu_offload or cfg.activation_checkpointing
+    if bf16:  # LoRA's frozen base: in bf16 once, as FSDP2 or the copies would cast it every step (NF4: as it is)
+        cast_unquantized([p for p in model.parameters() if not p.requires_grad], torch.bfloat16)
+    whole = {p for p in model.parameters() if is_nf4(p) and not fsdp_can_shard(p, mesh.size(-1))} if shard else set()
     layers = decoder_layers(model.lm)
     for i, layer in enumerate(layers):
         if cfg.activation_checkpointing:
@@ -138,13 +154,10 @@ def parallelize(model: CausalLMWithLoss, cfg: ParallelConfig, mesh: DeviceMesh, 
         if cfg.compile:
             layer = torch.compile(layer)
         if shard:
-            fully_shard(layer, **shard_args)
+            fully_shard(layer, **shard_args, ignored_params=whole & set(layer.parameters()))
         layers[i] = layer
     if shard:
-        fully_shard(model, **shard_args)
+        fully_shard(model, **shard_args, ignored_params=whole)
     elif bf16:
         model.compute_dtype = torch.bfloat16
-        for param in model.parameters():  # LoRA's frozen base: in bf16 once, not copied into it every forward
-            if not param.requires_grad:
-                param.data = param.data.to(torch.bfloat16)
     return model
