@@ -1,5 +1,6 @@
 """The export's place in the run directory and whether it was accepted, without torch: the driver asks before it
-starts a finished run again. Writing and checking an export is `worker/model/export.py`'s.
+starts a finished run again. Writing and checking an export is `worker/model/export.py`'s; writing a pairs run's
+`pairs.jsonl` and `pairs.json` (written last) is `worker/pairs.py`'s.
 
     <run>/export/   model.safetensors (or, with LoRA, the PEFT adapter and `merged/`), config.json,
                     generation_config.json, tokenizer files,
@@ -42,3 +43,7 @@ def export_is_valid(run_dir: str, step: int) -> bool:
         return storage.exists(marker) and json.loads(storage.read_bytes(marker)).get("step") == step
     except (OSError, ValueError):
         return False
+
+
+PAIRS_FILE = "pairs.jsonl"
+PAIRS_RECORD = "pairs.json"

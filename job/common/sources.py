@@ -222,16 +222,19 @@ class Examples:
     """The source's fingerprint entry with rows read/kept/skipped."""
     bad: list[str] = field(default_factory=list)
     """`location: reason` of skipped rows (the first few are reported)."""
+    rows: list[dict] = field(default_factory=list)
+    """The rows the items come from, item by item (`to_examples`)."""
 
 
 def to_examples(rows: Rows, cfg: DataConfig, key: str) -> Examples:
     """Maps rows to examples of `cfg.format`; a bad row fails the run (`bad_rows: fail`) or is skipped."""
-    items, bad = [], []
+    items, kept, bad = [], [], []
     for where, row in rows.rows:
         try:
             if isinstance(row, BadRow):
                 raise DataError(row.reason)
             items.append(_example(row, cfg, where))
+            kept.append(row)
         except DataError as e:
             if cfg.bad_rows == "fail":
                 raise DataError(f"{key}: {where}: {e} (set data.bad_rows: skip to drop such rows)") from None
@@ -241,7 +244,7 @@ def to_examples(rows: Rows, cfg: DataConfig, key: str) -> Examples:
         info["skipped_examples"] = bad[:5]
     if not items:
         raise DataError(f"{key}: no usable rows in {rows.info.get('source')} ({len(bad)} skipped)")
-    return Examples(items, info, bad)
+    return Examples(items, info, bad, kept)
 
 
 def _column(row: dict, name: str, key: str, want: type) -> Any:

@@ -49,8 +49,7 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     # on a plain copy of that model while the data is tokenized, on a device busy with nothing else
     # (`start_baseline`). Every rank gets the same packed blocks and reads only its shard of them.
     with timeline.phase("data"):
-        tokenizer_json = loop_config.tokenizer_json
-        tokenizer = tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
+        tokenizer = run_tokenizer(loop_config)
     with timeline.phase("resume"):
         resume_from, skipped = find_resume_point(cfg, run_dir)
     with timeline.phase("model"):
@@ -147,6 +146,12 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
         watchdog=start_watchdog(worker, record, start_step),  # last: nothing after it can fail and leave it running
     )
+
+
+def run_tokenizer(loop_config: LoopConfig):
+    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), else the configured one."""
+    json_text = loop_config.tokenizer_json
+    return tokenizer_from_json(json_text) if json_text else load_tokenizer(loop_config.cfg.model)
 
 
 def start_watchdog(worker: Worker, record: dict | None, start_step: int) -> Watchdog:
