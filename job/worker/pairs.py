@@ -62,7 +62,7 @@ def make_pairs(loop_config: LoopConfig, launcher: Launcher, device: torch.device
         examples = box[0]
         items = task_items(examples.items, cfg.data, tokenizer)
     with timeline.phase("model"), torch.device(device):
-        lm = build_causal_lm(cfg.model, None, cfg.train.seed).eval()
+        lm = build_causal_lm(cfg.model, len(tokenizer) if cfg.model.train_tokenizer_vocab else None, cfg.train.seed).eval()
         if device.type == "cuda":
             lm = lm.to(torch.bfloat16)
     questions = max(1, cfg.eval.task_batch_size // pairs_cfg.samples)
