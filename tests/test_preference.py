@@ -10,10 +10,13 @@ import torch
 import torch.nn.functional as F
 from test_checkpoint import MAX_STEPS, _assert_same_training, _config, _records, _run
 
+from conftest import tensorboard_scalars
 from job import config as config_lib
+from job.commands import compare, report
 from job.common import sources
 from job.config import ConfigError
 from job.driver import launch
+from job.records import run_record
 from job.worker import data as data_lib
 from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm
 from job.worker.objective import DirectPreference
@@ -189,7 +192,7 @@ def dpo_reference(ray_cluster, tmp_path_factory):
     return _run(dpo_config(tmp_path_factory.mktemp("dpo-ref"), "dpo-reference", checkpoint={"export": True}))
 
 
-def test_dpo_raises_the_held_out_margin_and_logs_trls_names(dpo_reference):
+def test_dpo_raises_the_held_out_margin_and_logs_trls_names(dpo_reference, tmp_path):
     evals = _records(dpo_reference, "eval")
     first, last = evals[0], evals[-1]
     assert [r["step"] for r in evals] == [0, 10, 20]
@@ -204,6 +207,11 @@ def test_dpo_raises_the_held_out_margin_and_logs_trls_names(dpo_reference):
     assert reference["rows_computed"] > 0 and reference["file"].startswith(f"{dpo_reference}/reference/")
     export = _records(dpo_reference, "export")[0]
     assert export["abs_diff"] < 1e-3, "the export's check (held-out loss per token) passes"
+    tags = tensorboard_scalars(f"{dpo_reference}/tensorboard")
+    assert {"train/rewards/margins", "train/logps/chosen", "eval/eval_rewards/accuracies"} <= set(tags)
+    report.write_report(dpo_reference, str(tmp_path), plots=False)
+    text = (tmp_path / "report.md").read_text()
+    assert f"| held-out preference accuracy | {first['eval_preference_accuracy']:.4g} |" in text
 
 
 def test_dpo_resumes_exactly_after_a_killed_worker_and_reuses_the_reference(dpo_reference, tmp_path):
@@ -217,7 +225,7 @@ def test_dpo_resumes_exactly_after_a_killed_worker_and_reuses_the_reference(dpo_
     _assert_same_training(run_dir, dpo_reference)
 
 
-def test_dpo_with_lora_trains_the_adapters_from_the_base(ray_cluster, tmp_path):
+def test_dpo_with_lora_trains_the_adapters_from_the_base(dpo_reference, tmp_path):
     cfg = dpo_config(tmp_path, "dpo-lora", model={"lora": {"rank": 4, "alpha": 8}}, train={"lr": 2e-2},
                      checkpoint={"export": True})
     run_dir = _run(cfg)
@@ -226,6 +234,9 @@ def test_dpo_with_lora_trains_the_adapters_from_the_base(ray_cluster, tmp_path):
     evals = _records(run_dir, "eval")
     assert abs(evals[0]["eval_rewards/margins"]) < 1e-4 and evals[-1]["eval_rewards/margins"] > 0.5
     assert len(_records(run_dir, "train")) == MAX_STEPS
+    results = {key for key, _, _ in compare.compare_records(run_record.load_record(dpo_reference),
+                                                            run_record.load_record(run_dir))["results"]}
+    assert {"method", "preference.eval_rewards/margins"} <= results
 
 
 # ---- pairs ------------------------------------------------------------------------------------------------------------
