@@ -406,11 +406,13 @@ REAL_DATA_VARIANTS = [
                                        "train": {"objective": "dpo", "dpo": {"beta": 0.2, "nll_weight": 1.0}}}),
     ("task source without a task", {"data": {"task_source": "/t.jsonl"}, "eval": {"task": None}}),
     ("task source hub id with two slashes", {"data": {"task_source": "hf:a/b/c"}}),
+    *((f"{option} of a task source file", {"data": {"task_source": {"path": "/t.jsonl", option: "x"}}})
+      for option in ("revision", "subset", "split")),
     ("task source instead of held-out rows", {"data": {"validation_fraction": 0, "task_source": "/t.jsonl"},
                                               "checkpoint": {"export": False}}),
     ("pairs", {"mode": "pairs", "pairs": {"samples": 4, "temperature": 0.7, "top_p": 0.95}}),
     ("pairs without a task", {"mode": "pairs", "eval": {"task": None}}),
-    ("pairs from text", {"mode": "pairs", "data": {"format": "text"}}),
+    ("pairs from text", {"mode": "pairs", "data": {"format": "text"}, "eval": {"task": None}}),
     ("pairs without held-out rows", {"mode": "pairs", "data": {"validation_fraction": 0}}),
     *[(f"prompt template {template!r}", {"data": {"prompt_template": template}})
       for template in ("{0}", "{}", "{prompt", "prompt}", "{a.b}", "{prompt!r}", "{prompt!}", "{prompt:>10}",
