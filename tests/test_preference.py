@@ -176,6 +176,28 @@ def test_dpo_loss_is_the_formula_on_each_pair_alone(chunk):
     assert metrics["rewards/accuracies"] == sum(float(m > 0) for m in margins)
 
 
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_chunked_log_probs_have_the_plain_gradients(frozen_head):
+    """The chunked head's log-probabilities and their gradients (a different weight per token, as DPO's) equal
+    autograd's through plain logits; with a frozen head (LoRA), through the gradients kept in forward."""
+    from job.worker.model.loss import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=not frozen_head)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[::5] = data_lib.IGNORE_INDEX
+    upstream = torch.randn(37, generator=g, dtype=torch.float64)
+    grads = []
+    for chunk in (0, 8):
+        out = token_logprobs(hidden, weight, labels, chunk)
+        assert (out[::5] == 0).all()
+        grads.append(torch.autograd.grad((out.double() * upstream).sum(), [hidden] + ([] if frozen_head else [weight])))
+        grads[-1] = (out.detach(), *grads[-1])
+    for plain, chunked in zip(*grads):
+        torch.testing.assert_close(chunked.double(), plain.double(), rtol=1e-5, atol=1e-5)
+
+
 # ---- runs -------------------------------------------------------------------------------------------------------------
 
 
@@ -226,7 +248,8 @@ def test_dpo_resumes_exactly_after_a_killed_worker_and_reuses_the_reference(dpo_
 
 
 def test_dpo_with_lora_trains_the_adapters_from_the_base(dpo_reference, tmp_path):
-    cfg = dpo_config(tmp_path, "dpo-lora", model={"lora": {"rank": 4, "alpha": 8}}, train={"lr": 2e-2},
+    cfg = dpo_config(tmp_path, "dpo-lora", model={"lora": {"rank": 4, "alpha": 8}},
+                     train={"lr": 2e-2, "loss_chunk_size": 16},  # the chunked head, frozen
                      checkpoint={"export": True})
     run_dir = _run(cfg)
     start = _records(run_dir, "start")[0]
