@@ -193,11 +193,10 @@ class DpoConfig:
 @dataclass
 class TrainConfig:
     objective: Literal["sft", "dpo"] = "sft"
-    """`sft`: cross-entropy of the data's target tokens (supervised fine-tuning, language modelling); `dpo`: Direct
-    Preference Optimisation on `data.format: preference` pairs against the model as it starts (the reference
-    policy: its log-probabilities are computed once, before the first step, and kept beside the run); a step's
-    loss is a mean over pairs, and `train.micro_batch_size` counts rows of `seq_len` tokens, each holding whole
-    pairs (docs/preference.md)."""
+    """`sft`: cross-entropy of the data's target tokens; `dpo`: Direct Preference Optimisation on `data.format:
+    preference` pairs against the model as it starts (the reference policy, whose log-probabilities are computed
+    once before the first step and kept beside the run); a step's loss is a mean over pairs, and `micro_batch_size`
+    counts rows of `seq_len` tokens, each holding whole pairs (docs/preference.md)."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """DPO's settings (`objective: dpo`)."""
     max_steps: int = constrained(100, minimum=1)

@@ -1,13 +1,9 @@
 """DPO's reference log-probabilities (`compute_reference`) and its held-out evaluation (`PreferenceEvaluation`).
 
-The reference policy is the model as the run starts, so a completion's reference log-probability never changes: it
-is computed once, before the first step, and kept beside the run (`<run>/reference/<data key>.pt`), rather than by
-a second model beside the policy (a frozen copy, or with LoRA the base with the adapters off). That is one forward
-per pair for the whole run instead of one per pair per epoch, in forwards that keep no activations for backward, and
-no second copy of the weights (a frozen bf16 copy of a 7B is 15 GB per device). With LoRA the adapters start at zero,
-so the model as it starts is the base with the adapters off. Only the pairs the run's steps will see and the
-held-out pairs the evaluation reads are computed; a resume reads the file and computes what it lacks (a longer run,
-another number of workers) from the initial weights, which `build` holds until it restores the checkpoint.
+The reference policy is the model as the run starts, so a completion's reference log-probability never changes: it is
+computed once, before the first step, for the pairs the steps will see and the held-out ones, and kept in
+`<run>/reference/<data key>.pt` (a resume computes only what it lacks, from the initial weights `build` holds until it
+restores the checkpoint). Why not a reference model beside the policy: docs/preference.md, "The reference policy".
 """
 
 from __future__ import annotations
@@ -81,10 +77,9 @@ def compute_reference(model: CausalLMWithLoss, dataset: Dataset, cfg: RunConfig,
 
 
 class PreferenceEvaluation(HeldoutEvaluation):
-    """On held-out pairs (`objective: dpo`), when the held-out loss would be measured: DPO's loss and TRL's reward
-    metrics (`eval_rewards/accuracies`, ...), and `eval_preference_accuracy`, the share of pairs whose chosen
-    completion the model finds likelier than the rejected (at step 0 the starting model's own preference, where the
-    rewards are all 0). The export's check keeps the held-out loss per token, measured by `finish`."""
+    """On held-out pairs, when the held-out loss would be measured: DPO's loss, TRL's reward metrics, and
+    `eval_preference_accuracy` (the share of pairs whose chosen completion the model finds likelier: at step 0, where
+    every reward is 0, the starting model's). The export's check keeps the held-out loss per token (`finish`)."""
 
     NAMES = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
              "logps/rejected", "preference_accuracy")
