@@ -203,8 +203,9 @@ def test_chunked_log_probs_have_the_plain_gradients(frozen_head):
 
 def dpo_config(tmp_path, name, **sections) -> config_lib.RunConfig:
     data = preference_data(train=write_pairs(tmp_path / "pairs.jsonl"), validation_fraction=0.1)
+    # The chunked head (its backward computes the logits again from the FSDP2-gathered head) on 2 sharded workers.
     return _config(tmp_path, name, data=data, train={"objective": "dpo", "dpo": {"beta": 0.5}, "lr": 3e-3,
-                                                     **sections.pop("train", {})},
+                                                     "loss_chunk_size": 16, **sections.pop("train", {})},
                    eval={"every_steps": 10}, **sections)
 
 
@@ -248,8 +249,7 @@ def test_dpo_resumes_exactly_after_a_killed_worker_and_reuses_the_reference(dpo_
 
 
 def test_dpo_with_lora_trains_the_adapters_from_the_base(dpo_reference, tmp_path):
-    cfg = dpo_config(tmp_path, "dpo-lora", model={"lora": {"rank": 4, "alpha": 8}},
-                     train={"lr": 2e-2, "loss_chunk_size": 16},  # the chunked head, frozen
+    cfg = dpo_config(tmp_path, "dpo-lora", model={"lora": {"rank": 4, "alpha": 8}}, train={"lr": 2e-2},
                      checkpoint={"export": True})
     run_dir = _run(cfg)
     start = _records(run_dir, "start")[0]
