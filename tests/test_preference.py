@@ -140,6 +140,19 @@ def test_config_rules_for_preference_and_pairs():
         config_lib.load_dict({**base, "mode": "pairs", "data": {"format": "prompt_completion", "train": "/q.jsonl"}})
 
 
+def test_a_dpo_run_starts_from_an_export_not_another_runs_checkpoint(tmp_path):
+    from job.common import checkpoints
+
+    checkpoint = tmp_path / "sft" / "checkpoint_00000250"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / checkpoints.COMPLETE).write_text("")
+    cfg = config_lib.load_dict({"name": "dpo", "model": {"preset": "qwen2-tiny", "init": "random", "tokenizer": "t"},
+                                "data": {"format": "preference", "train": "/p.jsonl"}, "train": {"objective": "dpo"},
+                                "checkpoint": {"resume": str(checkpoint)}})
+    with pytest.raises(checkpoints.ResumeRefused, match=r"^checkpoint.resume: a DPO run's reference policy is the model"):
+        checkpoints.check_before_start(cfg, str(tmp_path / "dpo"))
+
+
 # ---- the loss ---------------------------------------------------------------------------------------------------------
 
 
