@@ -183,11 +183,11 @@ class DataConfig:
 @dataclass
 class DpoConfig:
     beta: float = constrained(0.1, exclusiveMinimum=0)
-    """DPO's β (TRL's `beta`): the loss is -log σ(β·((log π(c) - log π_ref(c)) - (log π(r) - log π_ref(r)))) per
-    pair, sequence log-probabilities summed over completion tokens; larger keeps the policy nearer the reference."""
+    """DPO's β (TRL's `beta`): each pair's loss is -log σ(β·((log π(c) - log π_ref(c)) - (log π(r) - log π_ref(r))));
+    larger keeps the policy nearer the reference."""
     nll_weight: float = constrained(0.0, minimum=0)
-    """Weight of a negative log-likelihood term on the chosen completion, per token of it, added to each pair's
-    loss (DPO+NLL, Pang et al. 2024's iterative reasoning preference optimisation; TRL's `rpo_alpha`)."""
+    """Weight of the chosen completion's negative log-likelihood per token, added to each pair's loss (DPO+NLL,
+    Pang et al. 2024)."""
 
 
 @dataclass
@@ -437,15 +437,14 @@ class PreflightConfig:
 @dataclass
 class PairsConfig:
     samples: int = constrained(8, minimum=2)
-    """Answers sampled per question; each is scored by `eval.task` against the question's reference. Decoded in
-    batches of `eval.task_batch_size` rows (questions x samples), at most `eval.task_max_new_tokens` each."""
+    """Answers sampled per question, scored by `eval.task`; decoded `eval.task_batch_size` rows at a time, at most
+    `eval.task_max_new_tokens` each."""
     temperature: float = constrained(0.8, exclusiveMinimum=0)
     """Sampling temperature."""
     top_p: float = constrained(1.0, exclusiveMinimum=0, maximum=1)
     """Nucleus sampling: draw from the smallest set of tokens whose probability reaches `top_p` (1: all)."""
     per_question: int = constrained(1, minimum=1)
-    """Most pairs per question: each a distinct incorrect answer (rejected) beside a correct one (chosen: a
-    correct sample, else the reference solution); questions with no incorrect answer give none."""
+    """Most pairs per question: a distinct incorrect answer each, beside a correct sample (else the reference)."""
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -74,9 +74,8 @@ class PairBlocks(Blocks):
                           self.reference)
 
     def batch(self) -> dict[str, torch.Tensor]:
-        """Also `completion` (the labels' completions renumbered within the micro-batch: 2·i, 2·i + 1 for its i-th
-        pair), `pairs` (their numbers in data order) and, once known, `reference` (their log-probabilities, in the
-        micro-batch's numbering): counted on the host, so the loss needs no sync."""
+        """Also `completion` (the labels' completions renumbered: 2·i, 2·i + 1 for the batch's i-th pair), `pairs`
+        (their numbers in data order) and `reference` (their log-probabilities), on the host: the loss needs no sync."""
         used = self.sequence >= 0
         pairs, inverse = torch.unique(self.sequence[used] // 2, return_inverse=True)
         completion = torch.full_like(self.sequence, -1)
@@ -193,9 +192,8 @@ def tokenize_chat(examples: list[dict], tokenizer: PreTrainedTokenizerBase, temp
 
 def tokenize_preference(examples: list[dict], tokenizer: PreTrainedTokenizerBase,
                         template: str | None) -> list[tuple[list[int], list[int], list[int]]]:
-    """(prompt, chosen + EOS, rejected + EOS) ids per pair, prompt and completions tokenized apart as
-    `tokenize_prompt_completion` does. A conversational pair is rendered first: its prompt with the generation
-    prompt, each completion as what the whole conversation's rendering adds after it."""
+    """(prompt, chosen + EOS, rejected + EOS) ids per pair, tokenized apart; a conversational pair rendered first:
+    the prompt with the generation prompt, a completion as what the whole conversation's rendering adds."""
     eos = _eos(tokenizer)
     texts = []
     for x in examples:
@@ -265,11 +263,9 @@ def _positions(starts: torch.Tensor) -> torch.Tensor:
 
 def pack_pairs(pairs: list[tuple[list[int], list[int], list[int]]], seq_len: int, packing: bool,
                pad_id: int = 0) -> tuple[PairBlocks, int]:
-    """Each pair's two documents, prompt + chosen and prompt + rejected, in one row of `seq_len + 1` tokens (inputs
-    its first `seq_len`, labels its last, as `pack`'s blocks): with `packing`, pairs follow one another in a row
-    while they fit, else one pair per row, padded. A pair longer than a row has each document cut to half a row
-    (the completion's end first, then the prompt's start, keeping at least half of the completion); returns the
-    rows and how many pairs were cut."""
+    """Each pair's two documents (prompt + chosen, prompt + rejected) in one row of `seq_len + 1` tokens, as `pack`'s
+    blocks; with `packing` pairs follow one another while they fit. A pair longer than a row has each document cut
+    to half a row (the completion's end, then the prompt's start); returns the rows and how many pairs were cut."""
     budget, half = seq_len + 1, (seq_len + 1) // 2
     rows: list[list[tuple[list[int], int, int]]] = []  # per row: (document ids, prompt length, completion number)
     used, truncated = budget, 0

@@ -83,16 +83,15 @@ def use_grouped_decode(lm: PreTrainedModel) -> None:
 
 @dataclass
 class Sampling:
-    """Draw each token from the softmax of the logits / `temperature`, within the nucleus of probability `top_p`,
-    from a generator seeded with `seed` (the same seed, the same samples)."""
+    """Each token drawn from softmax(logits / `temperature`) within the nucleus of probability `top_p`, seeded."""
 
     temperature: float
     top_p: float
     seed: int
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """One token per row. The draw is the row's largest probability / Exponential(1) noise, which is a
-        sample from it (the exponential race) that needs no host sync, so a CUDA graph can hold it."""
+        """One token per row: the largest probability / Exponential(1) noise is a draw (the exponential race) that
+        needs no host sync, so a CUDA graph holds it."""
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         if self.top_p < 1:
             ordered, order = probs.sort(dim=-1, descending=True)

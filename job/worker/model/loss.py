@@ -89,7 +89,6 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
 
 
 def _token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log softmax(logits)[label] per row in fp32; 0 where the label is ignored."""
     x = logits.float()
     valid = labels != IGNORE_INDEX
     target = x.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -97,8 +96,7 @@ def _token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def _logprob_grad(logits: Tensor, labels: Tensor, scale: Tensor) -> Tensor:
-    """scale · d log softmax(logits)[label] / d logits = scale · (onehot - softmax), per row, in the logits' dtype;
-    0 where the label is ignored."""
+    """scale · (onehot - softmax), the gradient of `_token_logprobs` per row, in the logits' dtype."""
     x = logits.float()
     valid = (labels != IGNORE_INDEX).unsqueeze(1)
     target = labels.clamp(min=0).unsqueeze(1)
@@ -112,10 +110,9 @@ _logprob_grad_cuda = torch.compile(_logprob_grad, dynamic=False)
 
 
 class ChunkedTokenLogProbs(torch.autograd.Function):
-    """Per-token log-probabilities, chunk by chunk. Their upstream gradient differs from token to token (DPO weighs
-    each completion by its pair's loss), so unlike `ChunkedCrossEntropy` no gradient can be finished in forward:
-    backward computes each chunk's logits again (one more lm-head matmul) rather than keeping them. With a frozen
-    head (LoRA), forward keeps each token's hidden-state gradient at unit weight instead, and backward scales it."""
+    """Per-token log-probabilities, chunk by chunk. Their upstream gradient differs per token (DPO weighs each
+    completion by its pair's loss), so backward computes each chunk's logits again (one more lm-head matmul); with a
+    frozen head (LoRA), forward keeps each token's hidden-state gradient at unit weight, and backward scales it."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
@@ -151,8 +148,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 0) -> Tensor:
-    """log softmax(hidden @ weight.T)[labels] per token in fp32 ([N]; 0 where a label is IGNORE_INDEX), through
-    `ChunkedTokenLogProbs` with a `chunk_size`, else through plain fp32 logits; gradients flow to hidden and weight."""
+    """log softmax(hidden @ weight.T)[labels] per token, fp32 ([N]; 0 where ignored): chunked with a `chunk_size`."""
     if chunk_size:
         return ChunkedTokenLogProbs.apply(hidden, weight, labels, int(chunk_size))
     return _token_logprobs(hidden @ weight.t(), labels)
