@@ -192,13 +192,6 @@ class DpoConfig:
 
 @dataclass
 class TrainConfig:
-    objective: Literal["sft", "dpo"] = "sft"
-    """`sft`: cross-entropy of the data's target tokens; `dpo`: Direct Preference Optimisation on `data.format:
-    preference` pairs against the model as it starts (the reference policy, whose log-probabilities are computed
-    once before the first step and kept beside the run); a step's loss is a mean over pairs, and `micro_batch_size`
-    counts rows of `seq_len` tokens, each holding whole pairs (docs/preference.md)."""
-    dpo: DpoConfig = field(default_factory=DpoConfig)
-    """DPO's settings (`objective: dpo`)."""
     max_steps: int = constrained(100, minimum=1)
     """Optimizer steps to run."""
     micro_batch_size: int = constrained(4, minimum=1)
@@ -242,6 +235,13 @@ class TrainConfig:
     ~12); near-zero losses (memorised data) are noisier in ratio: raise it or set 0 (off) there."""
     loss_spike_intervals: int = constrained(3, minimum=1)
     """Consecutive log intervals above `loss_spike_factor` x the median that fail the run (one may be noise)."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """`sft`: cross-entropy of the data's target tokens; `dpo`: Direct Preference Optimisation on `data.format:
+    preference` pairs against the model as it starts (the reference policy, whose log-probabilities are computed
+    once before the first step and kept beside the run); a step's loss is a mean over pairs, and `micro_batch_size`
+    counts rows of `seq_len` tokens, each holding whole pairs (docs/preference.md)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """DPO's settings (`objective: dpo`)."""
 
 
 @dataclass
