@@ -6,9 +6,8 @@ stage on the whole test split and the held-out preference accuracy before and af
     # GPU (bench/device-dpo.sh learn runs it): the pretrained weights and GSM8K's JSONL files
     python bench/dpo_learning.py --model /tmp/models/qwen2.5-coder-1.5b --data .devdata/gsm8k \
         --questions 2000 --samples 4 --dpo-steps 100 [--set-sft K=V ...] [--set-pairs K=V ...] [--set-dpo K=V ...]
-    # CPU smoke: a tiny random model, a few steps, a few questions
-    python bench/dpo_learning.py --cpu --data ../shared/data/gsm8k --questions 8 --samples 2 --dpo-steps 2 \
-        --set-sft train.max_steps=2 ...
+    # CPU smoke: a tiny random model (`TINY`), a few steps, a few questions (~2 minutes on 2 cores)
+    python bench/dpo_learning.py --cpu --data ../shared/data/gsm8k --questions 8 --samples 2 --dpo-steps 2
 
 Each stage's run config is what `helm install` renders for it: values/gsm8k.yaml's `run:` block, the stage's profile
 merged over it as Helm merges values, then the paths (`--model`, `--data`, the earlier stage's export or pairs) and

@@ -133,7 +133,7 @@ def run_trl(args, method: str, options: dict, folder: Path) -> dict:
 
         peft_config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
                                  target_modules=LORA_DEFAULT_TARGETS, task_type="CAUSAL_LM")
-    else:
+    elif not options.get("precompute"):  # precomputed: TRL reads the policy as it starts, and keeps no copy
         ref = copy.deepcopy(model).to(torch.bfloat16 if cuda else torch.float32).eval()
     rows = [json.loads(line) for line in (folder / "pairs.jsonl").read_text().splitlines()]
     config = DPOConfig(
@@ -166,9 +166,9 @@ def run_variant(args, name: str, folder: Path, shape: dict) -> dict:
     if side == "ours":
         row.update(run_ours(args, name, method, folder, shape))
     else:
-        argv = [a for a in sys.argv[1:] if not a.startswith("--only")]
-        done = subprocess.run([sys.executable, __file__, *argv, "--peer", name, "--folder", str(folder)], cwd=REPO,
-                              capture_output=True, text=True)
+        argv = [f"--{k}={getattr(args, k)}" for k in ("preset", "prompt", "completion", "batch", "steps", "warmup")]
+        done = subprocess.run([sys.executable, __file__, *argv, *(["--cpu"] if args.cpu else []), "--peer", name,
+                               "--folder", str(folder)], cwd=REPO, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
             row["error"] = " | ".join((done.stdout + done.stderr).strip().splitlines()[-6:])[-1500:]
