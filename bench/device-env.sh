@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 want = {"ray": {"train"}, "datasets": set(), "pydantic": set(), "pydantic-core": set(),
         "jsonschema": set(), "referencing": set(), "multiprocess": set(),
         "tensorboardX": set(), "transformers": {"torch"}, "accelerate": set(), "pytest": set(),
-        "liger-kernel": set(), "torchao": set()}
+        "liger-kernel": set(), "torchao": set(), "trl": set()}
 bad = []
 for name, extras in want.items():
     try:

@@ -43,6 +43,8 @@ DEST=.whl
 #   issue 45: peft (the Trainer + peft LoRA baseline, hf_trainer_baseline.py --lora-rank; its needs are in the image)
 #   issue 52: bitsandbytes (the Trainer + peft QLoRA baseline, --load-in-4bit; needs torch, numpy, packaging: in the
 #   image), slimmed to the CUDA 13.0 and CPU libraries (the image's torch is cu130): 43 MB -> ~4 MB
+#   issue 53: trl (TRL's DPOTrainer, the DPO peer: bench/dpo_peer.py; 1.16.0 supports transformers 5, and needs
+#   accelerate, datasets, jinja2, psutil: the image's and .whl's)
 # Already on the device, within the bounds (versions read there 2026-11-30): click filelock
 # msgpack packaging (26.3) protobuf (7.36.2) pyyaml requests attrs numpy (2.5.2) pandas
 # (3.0.6) pyarrow (25.0.1; datasets needs >=24) fsspec (2026.7.0; datasets needs <=2026.9.0)
@@ -72,6 +74,7 @@ PKGS=(
   gguf==0.19.0
   peft==0.21.2
   bitsandbytes==0.50.2
+  trl==1.16.0
 )
 
 download() {  # download DIR PACKAGE...: cp312 manylinux x86_64 wheels, no dependencies

@@ -1,6 +1,7 @@
 """Command line.
 
-    python -m job [run] --config run.yaml [--set key=value ...]   train (or preflight, per `mode`)
+    python -m job [run] --config run.yaml [--set key=value ...]   train (or preflight, or pairs, per `mode`)
+    python -m job pairs --config run.yaml [--set key=value ...]    `run` with `mode: pairs`: preference pairs
     python -m job runs STORAGE [--status S] [--where F=V] [--json]  the runs under a storage path (job/commands/runs.py)
     python -m job compare RUN_A RUN_B                              what differs between two runs' records
     python -m job report RUN_DIR [--out DIR]                       markdown summary and plots of a run
@@ -29,7 +30,8 @@ from .commands import compare, report, runs  # noqa: E402
 
 
 COMMANDS = """commands:
-  run (default)       train (or only the preflight, per the config's `mode`)
+  run (default)       train (or only the preflight, or pairs, per the config's `mode`)
+  pairs               sample answers with model.path, score them (eval.task), write preference pairs
   runs STORAGE        the runs under a storage path: status, steps, goodput, loss, failure (filters, --json)
   compare RUN_A RUN_B what differs between two runs' records (run.json); names with --storage
   report RUN_DIR      markdown summary and plots of a run; a name with --storage
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return _accept(argv[1:])
     if argv[:1] == ["run"]:
         argv = argv[1:]
+    if argv[:1] == ["pairs"]:
+        argv = [*argv[1:], "--set", "mode=pairs"]
     from .driver import main as driver  # torch: here, not at the top, to keep the other commands' start short
 
     imported_at = time.time()

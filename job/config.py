@@ -142,20 +142,30 @@ class ColumnsConfig:
     """Column holding the completion for `format: prompt_completion` (the loss is on its tokens and EOS)."""
     messages: str = constrained("messages", minLength=1)
     """Column holding the conversation for `format: chat`: a list of `{role, content}` mappings."""
+    chosen: str = constrained("chosen", minLength=1)
+    """Column holding the preferred completion for `format: preference`."""
+    rejected: str = constrained("rejected", minLength=1)
+    """Column holding the dispreferred completion for `format: preference`."""
 
 
 @dataclass
 class DataConfig:
-    format: Literal["synthetic", "text", "prompt_completion", "chat"] = "synthetic"
+    format: Literal["synthetic", "text", "prompt_completion", "chat", "preference"] = "synthetic"
     """`synthetic`: seeded random tokens (an infrastructure check, nothing to learn); `text`: language
     modelling on a text column (or plain text files), documents joined with EOS; `prompt_completion`: the loss
     is on the completion tokens (and the EOS after them) only; `chat`: a list of messages rendered with the
-    chat template, the loss on the assistant turns only."""
+    chat template, the loss on the assistant turns only; `preference`: pairs for `train.objective: dpo`, TRL's
+    preference rows: a prompt, a chosen and a rejected completion, all strings (the prompt rendered by
+    `prompt_template`) or all lists of chat messages (rendered with the chat template); completions end with EOS."""
     train: Optional[SourceConfig] = None
     """Training source: a path/URI/`hf:` id string, or a mapping with `path`, `revision`, `subset`, `split`."""
     validation: Optional[SourceConfig] = None
     """Held-out source for evaluation (same format and columns); when unset, `validation_fraction` of the
     training rows is held out instead."""
+    task_source: Optional[SourceConfig] = None
+    """Rows for the task evaluation (`eval.task`) instead of the held-out split, read as `prompt_completion` rows
+    (`columns.prompt`, `columns.completion`, `prompt_template`) or, for `chat`, as conversations. Needed with
+    `format: preference`, whose held-out pairs carry no reference answer (e.g. the GSM8K test split)."""
     validation_fraction: float = constrained(0.05, minimum=0, exclusiveMaximum=1)
     """Fraction of the training documents held out for evaluation when no `validation` source is given
     (seeded by `train.seed`, removed before training sees them)."""
@@ -178,6 +188,16 @@ class DataConfig:
     """Read at most this many rows per source (0: all); for quick runs and tests."""
     synthetic_vocab: Optional[int] = None
     """Token ids drawn for synthetic data; defaults to the model's vocabulary size."""
+
+
+@dataclass
+class DpoConfig:
+    beta: float = constrained(0.1, exclusiveMinimum=0)
+    """DPO's β (TRL's `beta`): each pair's loss is -log σ(β·((log π(c) - log π_ref(c)) - (log π(r) - log π_ref(r))));
+    larger keeps the policy nearer the reference."""
+    nll_weight: float = constrained(0.0, minimum=0)
+    """Weight of the chosen completion's negative log-likelihood per token, added to each pair's loss (DPO+NLL,
+    Pang et al. 2024)."""
 
 
 @dataclass
@@ -225,6 +245,13 @@ class TrainConfig:
     ~12); near-zero losses (memorised data) are noisier in ratio: raise it or set 0 (off) there."""
     loss_spike_intervals: int = constrained(3, minimum=1)
     """Consecutive log intervals above `loss_spike_factor` x the median that fail the run (one may be noise)."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """`sft`: cross-entropy of the data's target tokens; `dpo`: Direct Preference Optimisation on `data.format:
+    preference` pairs against the model as it starts (the reference policy, whose log-probabilities are computed
+    once before the first step and kept beside the run); a step's loss is a mean over pairs, and `micro_batch_size`
+    counts rows of `seq_len` tokens, each holding whole pairs (docs/preference.md)."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """DPO's settings (`objective: dpo`)."""
 
 
 @dataclass
@@ -418,6 +445,19 @@ class PreflightConfig:
     """What the preflight must find, or the run fails before training starts."""
 
 
+@dataclass
+class PairsConfig:
+    samples: int = constrained(8, minimum=2)
+    """Answers sampled per question, scored by `eval.task`; decoded `eval.task_batch_size` rows at a time, at most
+    `eval.task_max_new_tokens` each."""
+    temperature: float = constrained(0.8, exclusiveMinimum=0)
+    """Sampling temperature."""
+    top_p: float = constrained(1.0, exclusiveMinimum=0, maximum=1)
+    """Nucleus sampling: draw from the smallest set of tokens whose probability reaches `top_p` (1: all)."""
+    per_question: int = constrained(1, minimum=1)
+    """Most pairs per question: a distinct incorrect answer each, beside a correct sample (else the reference)."""
+
+
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A run name: one directory name, so `<storage_path>/<name>` stays inside `storage_path`."""
 
@@ -429,8 +469,9 @@ class RunConfig:
     same name resumes it. The chart sets it from the release name."""
     storage_path: str = "./runs"
     """Directory (local, a mounted PVC/NFS path) or `s3://` URI under which runs are stored."""
-    mode: Literal["train", "preflight"] = "train"
-    """`train`: fine-tune (after the preflight when `preflight.enabled`); `preflight`: only the preflight."""
+    mode: Literal["train", "preflight", "pairs"] = "train"
+    """`train`: fine-tune (after the preflight when `preflight.enabled`); `preflight`: only the preflight; `pairs`:
+    sample answers to `data.train`'s questions with `model.path` and write preference pairs (`pairs`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The causal LM to train."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -449,6 +490,8 @@ class RunConfig:
     """Metrics logging."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     """Environment and network checks before training."""
+    pairs: PairsConfig = field(default_factory=PairsConfig)
+    """Preference pairs the model makes itself (`mode: pairs`)."""
     debug: DebugConfig = field(default_factory=DebugConfig)
     """Fault injection (tests and failure drills); leave unset in real runs."""
 

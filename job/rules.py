@@ -24,8 +24,8 @@ import json
 import re
 from typing import Any
 
-SOURCES = ("train", "validation")
-"""The data source fields (`data.train`, `data.validation`), whose rules are the same."""
+SOURCES = ("train", "validation", "task_source")
+"""The data source fields (`data.train`, `data.validation`, `data.task_source`), whose rules are the same."""
 PROMPT_FIELDS = r"([^{}]|\{[A-Za-z_][A-Za-z0-9_]*(![^:{}])?(:([^{}]|\{[^{}]*\})*)?\})*"
 """A `data.prompt_template` with `{{` and `}}` taken out: Python format fields naming columns ({name}, {name!r},
 {name:spec}), nothing else in braces."""
@@ -159,10 +159,24 @@ RULES = (
          f"evaluation {_NEEDS_HELDOUT}"),
     Rule("eval.task", "data.format == 'synthetic' and eval.task is not None",
          "task evaluation needs real data (data.format: prompt_completion or chat)"),
-    Rule("eval.task", _real("eval.task is not None and data.format not in ('prompt_completion', 'chat')"),
+    Rule("eval.task", _real("eval.task is not None and data.format not in ('prompt_completion', 'chat', 'preference')"),
          "needs data.format prompt_completion or chat, not {data.format}"),
-    Rule("eval.task", _real(f"eval.task is not None and {_NO_HELDOUT}"),
+    Rule("eval.task", _real("eval.task is not None and data.format == 'preference' and data.task_source is None"),
+         "held-out pairs carry no reference answer: set data.task_source (rows with data.columns.prompt and "
+         "data.columns.completion, e.g. the GSM8K test split)"),
+    Rule("eval.task", _real(f"eval.task is not None and mode == 'train' and data.task_source is None and {_NO_HELDOUT}"),
          "needs held-out rows: set data.validation or data.validation_fraction > 0"),
+    Rule("data.task_source", "data.task_source is not None and eval.task is None",
+         "only read for eval.task: set eval.task or remove data.task_source"),
+    Rule("train.objective", "train.objective == 'dpo' and data.format != 'preference'",
+         "dpo trains on preference pairs: needs data.format: preference, not {data.format}"),
+    Rule("data.format", "data.format == 'preference' and mode == 'train' and train.objective != 'dpo'",
+         "preference pairs are trained with train.objective: dpo, not {train.objective}"),
+    Rule("mode", "mode == 'pairs' and data.format not in ('prompt_completion', 'chat')",
+         "pairs samples answers to data.train's questions: needs data.format prompt_completion or chat, not "
+         "{data.format}"),
+    Rule("mode", "mode == 'pairs' and eval.task is None",
+         "pairs scores each sampled answer with a task: set eval.task (gsm8k)"),
     Rule("eval.sample_prompt", "eval.sample_prompt is not None and data.format == 'synthetic'",
          "synthetic data has no tokenizer to encode a prompt"),
     Rule("debug.fail_at_step", "debug.fail_at_step is not None and debug.fail_at_step > train.max_steps",

@@ -3,6 +3,10 @@ fields, on the run config with its defaults filled in (ray-finetune.checkRun): e
 message, its field paths prefixed run. */}}
 {{- define "ray-finetune.runRules" -}}
 {{- $r := . }}
+{{- $data_task_source := (index $r "data" "task_source") }}
+{{- if kindIs "string" $data_task_source }}{{ $data_task_source = dict "path" $data_task_source }}{{ end }}
+{{- $data_task_source_null := kindIs "invalid" $data_task_source }}
+{{- $data_task_source = merge (deepCopy ($data_task_source | default dict)) (dict "path" "" "split" "train") }}
 {{- $data_train := (index $r "data" "train") }}
 {{- if kindIs "string" $data_train }}{{ $data_train = dict "path" $data_train }}{{ end }}
 {{- $data_train_null := kindIs "invalid" $data_train }}
@@ -59,6 +63,9 @@ message, its field paths prefixed run. */}}
 {{- if (and (eq (index $r "data" "format") "synthetic") (not $data_validation_null)) }}
 {{- fail (printf "run.data.validation: synthetic data takes no source (set run.data.format: text to train on it)") }}
 {{- end }}
+{{- if (and (eq (index $r "data" "format") "synthetic") (not $data_task_source_null)) }}
+{{- fail (printf "run.data.task_source: synthetic data takes no source (set run.data.format: text to train on it)") }}
+{{- end }}
 {{- if (and (ne (index $r "data" "format") "synthetic") $data_train_null) }}
 {{- fail (printf "run.data.train: required with run.data.format: %v" (index $r "data" "format")) }}
 {{- end }}
@@ -98,6 +105,24 @@ message, its field paths prefixed run. */}}
 {{- if (and (ne (index $r "data" "format") "synthetic") (and (kindIs "string" (index $data_validation "path")) (hasPrefix "builtin:" (index $data_validation "path"))) (ne (index $r "data" "format") "text")) }}
 {{- fail (printf "run.data.validation.path: builtin:python-docs is plain text, for run.data.format: text only") }}
 {{- end }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (not $data_task_source_null) (and (kindIs "string" (index $data_task_source "path")) (hasPrefix "hf:" (index $data_task_source "path")) (not (hasPrefix "hf://" (index $data_task_source "path")))) (ne (sub (len (splitList "/" (index $data_task_source "path"))) 1) 1)) }}
+{{- fail (printf "run.data.task_source.path: expected hf:owner/name, got %q" (index $data_task_source "path")) }}
+{{- end }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (not $data_task_source_null) (not (and (kindIs "string" (index $data_task_source "path")) (hasPrefix "hf:" (index $data_task_source "path")) (not (hasPrefix "hf://" (index $data_task_source "path"))))) (not (kindIs "invalid" (index $data_task_source "revision")))) }}
+{{- fail (printf "run.data.task_source.revision: only for hub sources (hf:owner/name), not %q" (index $data_task_source "path")) }}
+{{- end }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (not $data_task_source_null) (not (and (kindIs "string" (index $data_task_source "path")) (hasPrefix "hf:" (index $data_task_source "path")) (not (hasPrefix "hf://" (index $data_task_source "path"))))) (not (kindIs "invalid" (index $data_task_source "subset")))) }}
+{{- fail (printf "run.data.task_source.subset: only for hub sources (hf:owner/name), not %q" (index $data_task_source "path")) }}
+{{- end }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (not $data_task_source_null) (not (and (kindIs "string" (index $data_task_source "path")) (hasPrefix "hf:" (index $data_task_source "path")) (not (hasPrefix "hf://" (index $data_task_source "path"))))) (or (kindIs "invalid" (index $data_task_source "split")) (ne (index $data_task_source "split") "train"))) }}
+{{- fail (printf "run.data.task_source.split: only for hub sources (hf:owner/name), not %q" (index $data_task_source "path")) }}
+{{- end }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (and (kindIs "string" (index $data_task_source "path")) (hasPrefix "builtin:" (index $data_task_source "path"))) (or (kindIs "invalid" (index $data_task_source "path")) (ne (index $data_task_source "path") "builtin:python-docs"))) }}
+{{- fail (printf "run.data.task_source.path: unknown builtin source %q (known: builtin:python-docs)" (index $data_task_source "path")) }}
+{{- end }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (and (kindIs "string" (index $data_task_source "path")) (hasPrefix "builtin:" (index $data_task_source "path"))) (ne (index $r "data" "format") "text")) }}
+{{- fail (printf "run.data.task_source.path: builtin:python-docs is plain text, for run.data.format: text only") }}
+{{- end }}
 {{- if (and (eq (index $r "data" "format") "prompt_completion") (not (regexMatch "^([^{}]|\\{[A-Za-z_][A-Za-z0-9_]*(![^:{}])?(:([^{}]|\\{[^{}]*\\})*)?\\})*$" ((index $r "data" "prompt_template") | replace "{{" "" | replace "}}" "")))) }}
 {{- fail (printf "run.data.prompt_template: fields must be column names like {prompt}, got %q" (index $r "data" "prompt_template")) }}
 {{- end }}
@@ -131,11 +156,29 @@ message, its field paths prefixed run. */}}
 {{- if (and (eq (index $r "data" "format") "synthetic") (not (kindIs "invalid" (index $r "eval" "task")))) }}
 {{- fail (printf "run.eval.task: task evaluation needs real data (run.data.format: prompt_completion or chat)") }}
 {{- end }}
-{{- if (and (ne (index $r "data" "format") "synthetic") (not (kindIs "invalid" (index $r "eval" "task"))) (not (has (index $r "data" "format") (list "prompt_completion" "chat")))) }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (not (kindIs "invalid" (index $r "eval" "task"))) (not (has (index $r "data" "format") (list "prompt_completion" "chat" "preference")))) }}
 {{- fail (printf "run.eval.task: needs run.data.format prompt_completion or chat, not %v" (index $r "data" "format")) }}
 {{- end }}
-{{- if (and (ne (index $r "data" "format") "synthetic") (not (kindIs "invalid" (index $r "eval" "task"))) $data_validation_null (eq (float64 (index $r "data" "validation_fraction")) 0.0)) }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (not (kindIs "invalid" (index $r "eval" "task"))) (eq (index $r "data" "format") "preference") $data_task_source_null) }}
+{{- fail (printf "run.eval.task: held-out pairs carry no reference answer: set run.data.task_source (rows with run.data.columns.prompt and run.data.columns.completion, e.g. the GSM8K test split)") }}
+{{- end }}
+{{- if (and (ne (index $r "data" "format") "synthetic") (not (kindIs "invalid" (index $r "eval" "task"))) (eq (index $r "mode") "train") $data_task_source_null $data_validation_null (eq (float64 (index $r "data" "validation_fraction")) 0.0)) }}
 {{- fail (printf "run.eval.task: needs held-out rows: set run.data.validation or run.data.validation_fraction > 0") }}
+{{- end }}
+{{- if (and (not $data_task_source_null) (kindIs "invalid" (index $r "eval" "task"))) }}
+{{- fail (printf "run.data.task_source: only read for run.eval.task: set run.eval.task or remove run.data.task_source") }}
+{{- end }}
+{{- if (and (eq (index $r "train" "objective") "dpo") (ne (index $r "data" "format") "preference")) }}
+{{- fail (printf "run.train.objective: dpo trains on preference pairs: needs run.data.format: preference, not %v" (index $r "data" "format")) }}
+{{- end }}
+{{- if (and (eq (index $r "data" "format") "preference") (eq (index $r "mode") "train") (ne (index $r "train" "objective") "dpo")) }}
+{{- fail (printf "run.data.format: preference pairs are trained with run.train.objective: dpo, not %v" (index $r "train" "objective")) }}
+{{- end }}
+{{- if (and (eq (index $r "mode") "pairs") (not (has (index $r "data" "format") (list "prompt_completion" "chat")))) }}
+{{- fail (printf "mode: pairs samples answers to run.data.train's questions: needs run.data.format prompt_completion or chat, not %v" (index $r "data" "format")) }}
+{{- end }}
+{{- if (and (eq (index $r "mode") "pairs") (kindIs "invalid" (index $r "eval" "task"))) }}
+{{- fail (printf "mode: pairs scores each sampled answer with a task: set run.eval.task (gsm8k)") }}
 {{- end }}
 {{- if (and (not (kindIs "invalid" (index $r "eval" "sample_prompt"))) (eq (index $r "data" "format") "synthetic")) }}
 {{- fail (printf "run.eval.sample_prompt: synthetic data has no tokenizer to encode a prompt") }}

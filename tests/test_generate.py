@@ -207,3 +207,41 @@ def test_rows_that_ended_leave_the_steps_and_the_step_is_captured_again(monkeypa
             captured = n
         elif kind == "replay":
             assert n == captured
+
+
+# ---- sampling (the pairs a model makes itself) -----------------------------------------------------------------------
+
+
+def first_token_draws(lm, sampling: generate.Sampling, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first sampled token of `rows` copies of one prompt, and the reference distribution: the softmax of the
+    model's own last logits / temperature, computed by Transformers' forward."""
+    prompt = torch.randint(3, 16, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        probs = torch.softmax(lm(prompt).logits[0, -1].double() / sampling.temperature, dim=-1)
+    ids = prompt.expand(rows, -1).contiguous()
+    out = generate.greedy_generate(lm, ids, torch.ones_like(ids), 1, None, 0, sampling=sampling).ids[:, -1]
+    return torch.bincount(out, minlength=probs.numel()).double() / rows, probs
+
+
+def test_sampling_draws_tokens_as_the_softmax_of_the_logits_says():
+    lm = tiny_lm(vocab_size=16)
+    freq, probs = first_token_draws(lm, generate.Sampling(temperature=0.7, top_p=1.0, seed=0), rows=4000)
+    assert (freq - probs).abs().max() < 4 * (probs * (1 - probs) / 4000).sqrt().max() + 1e-3
+    # Nucleus: only the likeliest tokens whose probability reaches top_p, in proportion to theirs.
+    freq, probs = first_token_draws(lm, generate.Sampling(temperature=1.0, top_p=0.6, seed=1), rows=4000)
+    ordered, order = probs.sort(descending=True)
+    nucleus = order[: int((ordered.cumsum(0) < 0.6).sum()) + 1]
+    assert set(freq.nonzero().flatten().tolist()) <= set(nucleus.tolist()) and len(nucleus) > 1
+    kept = probs[nucleus] / probs[nucleus].sum()
+    assert (freq[nucleus] - kept).abs().max() < 4 * (kept * (1 - kept) / 4000).sqrt().max() + 1e-3
+
+
+def test_sampling_is_seeded_and_a_tiny_nucleus_is_greedy():
+    lm = tiny_lm()
+    ids, mask = left_padded_batch()
+    greedy = generate.greedy_generate(lm, ids, mask, 20, eos_token_id=None, pad_token_id=0).ids
+    narrow = generate.greedy_generate(lm, ids, mask, 20, None, 0, sampling=generate.Sampling(1.0, 1e-6, seed=0)).ids
+    assert torch.equal(narrow, greedy)
+    draw = lambda seed: generate.greedy_generate(lm, ids, mask, 20, None, 0,  # noqa: E731
+                                                 sampling=generate.Sampling(1.5, 1.0, seed=seed)).ids
+    assert torch.equal(draw(3), draw(3)) and not torch.equal(draw(3), draw(4)) and not torch.equal(draw(3), greedy)

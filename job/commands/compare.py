@@ -83,6 +83,7 @@ def compare_records(a: dict, b: dict, *, ignore_config: Iterable[str] = DEFAULT_
 
     ma, mb = a.get("metrics") or {}, b.get("metrics") or {}
     results = [(k, ma.get(k), mb.get(k)) for k in _RESULT_KEYS if ma.get(k) != mb.get(k)]
+    results += _diff(*(flatten({"preference": m.get("preference") or {}}) for m in (ma, mb)))
     results += _diff(timing(a), timing(b))
     def ending(record):
         err = record.get("error")

@@ -20,7 +20,7 @@ from . import runs
 
 # Config keys worth showing first (matched against the last part of the dotted path).
 _HIGHLIGHT_WORDS = ("model", "name_or_path", "pretrained", "lr", "learning_rate", "batch", "seq", "steps",
-                    "epochs", "seed", "precision", "dtype", "source", "format", "shard", "warmup")
+                    "epochs", "seed", "precision", "dtype", "source", "format", "shard", "warmup", "objective", "beta")
 
 
 class ReportError(RuntimeError):
@@ -173,8 +173,9 @@ def before_after(rows: list[dict], n_examples: int = 3) -> list[str]:
     at = lambda items, step: next((r for r in items if r["step"] == step), {})  # noqa: E731
     lines = ["## Before and after", "", f"| | step {first_step} | step {last_step} |", "|---|---|---|"]
     for label, items, key in (("held-out loss", evals, "eval_loss"), ("held-out perplexity", evals, "eval_ppl"),
+                              *((f"held-out {k[5:].replace('_', ' ')}", evals, k) for k in run_record.PREFERENCE_KEYS),
                               ("exact match", tasks, "exact_match")):
-        if items:
+        if any(key in r for r in items):
             lines.append(f"| {label} | {_fmt(at(items, first_step).get(key))} | {_fmt(at(items, last_step).get(key))} |")
     if tasks:
         lines.append(f"| task examples scored | {_fmt(at(tasks, first_step).get('n'))} | {_fmt(at(tasks, last_step).get('n'))} |")

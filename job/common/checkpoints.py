@@ -150,6 +150,9 @@ def check_before_start(cfg: config_lib.RunConfig, run_dir: str) -> None:
             raise ResumeRefused(f"checkpoint.resume: no checkpoint at {policy}")
         if not storage.exists(storage.join(policy, COMPLETE)):
             raise ResumeRefused(f"checkpoint {policy}: incomplete (no {COMPLETE} marker; the save was interrupted)")
+        if cfg.train.objective == "dpo":  # its reference would be model.path's weights, not the checkpoint's
+            raise ResumeRefused(f"checkpoint.resume: a DPO run's reference policy is the model it starts from, "
+                                f"model.path; start it from that run's export (model.path), not from {policy}")
         start = policy
     if start is not None:
         check_settings(cfg, start)

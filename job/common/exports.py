@@ -1,5 +1,6 @@
 """The export's place in the run directory and whether it was accepted, without torch: the driver asks before it
-starts a finished run again. Writing and checking an export is `worker/model/export.py`'s.
+starts a finished run again. Writing and checking an export is `worker/model/export.py`'s; writing a pairs run's
+`pairs.jsonl` and `pairs.json` (written last) is `worker/pairs.py`'s.
 
     <run>/export/   model.safetensors (or, with LoRA, the PEFT adapter and `merged/`), config.json,
                     generation_config.json, tokenizer files,
@@ -31,6 +32,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+PAIRS_FILE = "pairs.jsonl"
+PAIRS_RECORD = "pairs.json"
+"""What `python -m job pairs` writes into its run directory: the preference pairs and their counts."""
 EARLIER_DIR = "exports"
 """Where an accepted export goes when a later step's export takes `export/` (`keep_accepted`)."""
 MERGED = "merged"

@@ -10,6 +10,7 @@ commit, rows read/kept/skipped).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -215,21 +216,25 @@ def _split_paragraphs(text: str, target_chars: int = 65536) -> list[str]:
 @dataclass
 class Examples:
     items: list[dict]
-    """Per format: `{"text"}`, `{"prompt", "completion"}` (prompt rendered), or `{"messages"}`."""
+    """Per format: `{"text"}`, `{"prompt", "completion"}` (prompt rendered), `{"messages"}`, or `{"prompt",
+    "chosen", "rejected"}`."""
     info: dict
     """The source's fingerprint entry with rows read/kept/skipped."""
     bad: list[str] = field(default_factory=list)
     """`location: reason` of skipped rows (the first few are reported)."""
+    rows: list[dict] = field(default_factory=list)
+    """The rows the items come from, item by item (`to_examples`)."""
 
 
 def to_examples(rows: Rows, cfg: DataConfig, key: str) -> Examples:
     """Maps rows to examples of `cfg.format`; a bad row fails the run (`bad_rows: fail`) or is skipped."""
-    items, bad = [], []
+    items, kept, bad = [], [], []
     for where, row in rows.rows:
         try:
             if isinstance(row, BadRow):
                 raise DataError(row.reason)
             items.append(_example(row, cfg, where))
+            kept.append(row)
         except DataError as e:
             if cfg.bad_rows == "fail":
                 raise DataError(f"{key}: {where}: {e} (set data.bad_rows: skip to drop such rows)") from None
@@ -239,7 +244,7 @@ def to_examples(rows: Rows, cfg: DataConfig, key: str) -> Examples:
         info["skipped_examples"] = bad[:5]
     if not items:
         raise DataError(f"{key}: no usable rows in {rows.info.get('source')} ({len(bad)} skipped)")
-    return Examples(items, info, bad)
+    return Examples(items, info, bad, kept)
 
 
 def _column(row: dict, name: str, key: str, want: type) -> Any:
@@ -262,18 +267,47 @@ def _example(row: Any, cfg: DataConfig, where: str) -> dict:
     if cfg.format == "prompt_completion":
         prompt = _column(row, cols.prompt, "prompt", str)
         completion = _column(row, cols.completion, "completion", str)
-        try:
-            rendered = cfg.prompt_template.format_map({**row, "prompt": prompt})
-        except KeyError as e:
-            raise DataError(f"data.prompt_template: the row has no column {e.args[0]!r}") from None
-        return {"prompt": rendered, "completion": completion}
-    messages = _column(row, cols.messages, "messages", list)
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"column {cols.messages!r}[{i}]: expected a mapping with string role and content")
+        return {"prompt": _render_prompt(row, cfg, prompt), "completion": completion}
+    if cfg.format == "preference":
+        return _preference(row, cfg)
+    messages = _messages(_column(row, cols.messages, "messages", list), cols.messages)
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"column {cols.messages!r}: no assistant message (nothing to train on)")
     return {"messages": messages}
+
+
+def _messages(messages: list, column: str) -> list:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"column {column!r}[{i}]: expected a mapping with string role and content")
+    return messages
+
+
+def _preference(row: dict, cfg: DataConfig) -> dict:
+    """`{prompt, chosen, rejected}`: strings (the prompt rendered by `prompt_template`), or, when the chosen column
+    holds a list, lists of chat messages (TRL's conversational form), rendered in the workers."""
+    cols = cfg.columns
+    kind = list if isinstance(row.get(cols.chosen), list) else str
+    out = {key: _column(row, getattr(cols, key), key, kind) for key in ("prompt", "chosen", "rejected")}
+    for key in ("chosen", "rejected"):
+        column = getattr(cols, key)
+        text = "".join(m["content"] for m in _messages(out[key], column)) if kind is list else out[key]
+        if not text.strip():
+            raise DataError(f"column {column!r} (data.columns.{key}): empty")
+    if out["chosen"] == out["rejected"]:
+        raise DataError(f"columns {cols.chosen!r} and {cols.rejected!r}: identical (nothing to prefer)")
+    if kind is list:
+        _messages(out["prompt"], cols.prompt)
+    else:
+        out["prompt"] = _render_prompt(row, cfg, out["prompt"])
+    return out
+
+
+def _render_prompt(row: dict, cfg: DataConfig, prompt: str) -> str:
+    try:
+        return cfg.prompt_template.format_map({**row, "prompt": prompt})
+    except KeyError as e:
+        raise DataError(f"data.prompt_template: the row has no column {e.args[0]!r}") from None
 
 
 def read_examples(cfg: DataConfig, seed: int) -> tuple[Examples, Examples | None, dict]:
@@ -298,19 +332,25 @@ def read_examples(cfg: DataConfig, seed: int) -> tuple[Examples, Examples | None
     return train, val, {"from": "data.train", "fraction": cfg.validation_fraction, "seed": seed, "rows": n_val}
 
 
+def read_task_examples(cfg: DataConfig) -> Examples | None:
+    """`data.task_source`'s rows as task examples (a preference run reads them as `prompt_completion` rows)."""
+    if cfg.task_source is None:
+        return None
+    as_rows = dataclasses.replace(cfg, format="prompt_completion") if cfg.format == "preference" else cfg
+    return to_examples(load_source(cfg.task_source, "data.task_source", cfg.max_rows), as_rows, "data.task_source")
+
+
 def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
     """The training examples' text, to train a tokenizer on; reads and checks every source first, so a bad one
     fails in the driver, before any worker starts."""
     train, _, _ = read_examples(cfg, seed)
-    out = []
-    for x in train.items:
-        if "text" in x:
-            out.append(x["text"])
-        elif "prompt" in x:
-            out.append(x["prompt"] + x["completion"])
-        else:
-            out.append("\n".join(f"{m['role']}\n{m['content']}" for m in x["messages"]))
-    return out
+    read_task_examples(cfg)
+
+    def text(value) -> str:
+        return value if isinstance(value, str) else "\n".join(f"{m['role']}\n{m['content']}" for m in value)
+
+    return ["".join(text(x[key]) for key in ("text", "prompt", "completion", "messages", "chosen", "rejected")
+                    if key in x) for x in train.items]
 
 
 def train_bpe_tokenizer(documents: list[str], vocab_size: int) -> PreTrainedTokenizerFast:

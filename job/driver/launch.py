@@ -118,7 +118,11 @@ def _model_problems(cfg: config_lib.RunConfig) -> list[str]:
 
 def finished(cfg: config_lib.RunConfig, run_dir: str) -> str | None:
     """What to tell the user when the run is already complete (newest checkpoint at `train.max_steps`, its export
-    accepted if asked for), so that a re-run starts nothing; else None."""
+    accepted if asked for; a pairs run's pairs written), so that a re-run starts nothing; else None."""
+    if cfg.mode == "pairs":
+        done = storage.join(run_dir, exports.PAIRS_RECORD)
+        return (f"run {run_dir} has already written its pairs ({storage.join(run_dir, exports.PAIRS_FILE)}, counts in "
+                f"{done}); choose a new run name to sample again") if storage.exists(done) else None
     latest = checkpoints.latest_complete(run_dir)
     step = int(latest.rsplit(checkpoints.PREFIX, 1)[-1]) if latest else 0
     if step < cfg.train.max_steps or (cfg.checkpoint.export and not exports.export_is_valid(run_dir, step)):

@@ -608,4 +608,15 @@ def summarize_metrics(rows: Iterable[dict]) -> dict:
         "mfu": _median([r.get("mfu") for r in steady]),
         "peak_mem_gib": max(peaks) if peaks else None,
         "task_eval": tasks,
+        **({"preference": preference(evals)} if evals and "eval_rewards/margins" in evals[-1] else {}),
     }
+
+
+PREFERENCE_KEYS = ("eval_rewards/accuracies", "eval_rewards/margins", "eval_preference_accuracy")
+
+
+def preference(evals: list[dict]) -> dict:
+    """A DPO run's held-out preference metrics (TRL's names) at the last evaluation, and the preference accuracy at
+    the first (the starting model's)."""
+    return {**{k: evals[-1].get(k) for k in PREFERENCE_KEYS},
+            "eval_preference_accuracy_at_start": evals[0].get("eval_preference_accuracy"), "at_step": evals[-1]["step"]}

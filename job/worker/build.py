@@ -20,6 +20,7 @@ from .checkpoint.resume import data_start, find_resume_point, restore
 from .checkpoint.writer import Checkpointer
 from .contract import Launcher, LoopConfig
 from .evaluation.heldout import HeldoutEvaluation
+from .evaluation.preference import PreferenceEvaluation, compute_reference
 from .evaluation.task import PendingTaskEval, TaskEvaluation, start_baseline, task_items
 from .faults import FaultInjection, write_pid
 from .metrics import MetricsLogger, Timeline, flops_per_token, peak_flops
@@ -28,7 +29,7 @@ from .model.export import merged_room_problem
 from .model import nf4
 from .model.lora import add_adapters
 from .model.parallelize import device_mesh, parallelize
-from .objective import NextTokenPrediction
+from .objective import DirectPreference, NextTokenPrediction
 from .optimizer import build_optimizer
 from .parts import Checkpointing, LogStep, Worker, in_background
 from .trainer import Trainer
@@ -43,13 +44,13 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     rank, world = dist.get_rank(), dist.get_world_size()
     write_pid(run_dir, rank)
     bf16 = cfg.parallel.mixed_precision == "bf16" or (cfg.parallel.mixed_precision == "auto" and device.type == "cuda")
+    dpo = cfg.train.objective == "dpo"
 
     # ---- Tokenizer, then the model (as loaded, or seeded), then the data: a fresh run's task baseline decodes
     # on a plain copy of that model while the data is tokenized, on a device busy with nothing else
     # (`start_baseline`). Every rank gets the same packed blocks and reads only its shard of them.
     with timeline.phase("data"):
-        tokenizer_json = loop_config.tokenizer_json
-        tokenizer = tokenizer_from_json(tokenizer_json) if tokenizer_json else load_tokenizer(cfg.model)
+        tokenizer = run_tokenizer(loop_config)
     with timeline.phase("resume"):
         resume_from, skipped = find_resume_point(cfg, run_dir)
     with timeline.phase("model"):
@@ -88,6 +89,9 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
             identity.update(lora_preflight(cfg, run_dir, weights, n_params - n_trainable, bf16))
         checkpointer = Checkpointer(cfg, run_dir, device, identity)
         faults = FaultInjection(cfg, rank, run_dir, checkpointer)
+        # DPO's reference: the model as it starts, so before a checkpoint's weights replace it.
+        reference = compute_reference(model, dataset, cfg, run_dir, data_lib.data_key(cfg.data, cfg.train, tokenizer),
+                                      rank, world, device) if dpo else None
 
     # ---- Resume: the run's latest complete checkpoint (or checkpoint.resume's), resharded onto this world size.
     start_step, start_micro, resumed, data_exact = 0, 0, None, True
@@ -120,6 +124,8 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
                 "flops_per_token": flops_tok, "world_size": world,
                 "mesh": list(mesh.shape), "sharded": isinstance(model, FSDPModule), "device": str(device), "bf16": bf16,
                 "data": dataset.fingerprint, "data_cache": data_cache, "compile_cache": cache_state})
+    if reference is not None:
+        worker.log({**reference, "step": start_step})
     if resumed is not None or skipped:
         resume_record = {"step": start_step, "checkpoint": resume_from, "skipped": skipped}
         if resumed is not None:
@@ -132,16 +138,22 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
     items = task_items(dataset.validation_examples, cfg.data, tokenizer) if cfg.eval.task else []
     return Trainer(
         worker=worker, tokenizer=tokenizer, dataset=dataset, model=model, optimizer=optimizer,
-        objective=NextTokenPrediction(), batches=batches, start_step=start_step, resumed_from=resume_from,
+        objective=DirectPreference(cfg.train.dpo) if dpo else NextTokenPrediction(), batches=batches, start_step=start_step, resumed_from=resume_from,
         checkpointer=checkpointer, faults=faults,
         log_step=LogStep(worker, checkpointer, launcher.preempted, flops_tok, peak_flops(device, cfg.logging.peak_flops)),
         checkpointing=Checkpointing(worker, checkpointer, model, optimizer, start_step),
-        heldout=HeldoutEvaluation(worker, model, dataset.validation, start_step),
+        heldout=(PreferenceEvaluation if dpo else HeldoutEvaluation)(worker, model, dataset.validation, start_step),
         task=TaskEvaluation(worker, model, checkpointer, tokenizer, items, start_step, baseline),
         weights=weights,
         compile_cache=cache_uri if cache_state and not cache_state["loaded"] else None,
         watchdog=start_watchdog(worker, record, start_step),  # last: nothing after it can fail and leave it running
     )
+
+
+def run_tokenizer(loop_config: LoopConfig):
+    """The tokenizer the driver trained (`model.train_tokenizer_vocab`), else the configured one."""
+    json_text = loop_config.tokenizer_json
+    return tokenizer_from_json(json_text) if json_text else load_tokenizer(loop_config.cfg.model)
 
 
 def start_watchdog(worker: Worker, record: dict | None, start_step: int) -> Watchdog:

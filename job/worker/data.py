@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import storage
-from ..common.sources import DataError, read_examples
+from ..common.sources import DataError, read_examples, read_task_examples
 from ..config import DataConfig, TrainConfig
 
 if TYPE_CHECKING:
@@ -51,8 +51,44 @@ class Blocks:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, index: torch.Tensor) -> "Blocks":
+    def select(self, index: torch.Tensor) -> Blocks:
         return Blocks(self.input_ids[index], self.labels[index], self.position_ids[index])
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        """The micro-batch these blocks make (the model's inputs)."""
+        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+
+
+@dataclass
+class PairBlocks(Blocks):
+    """Rows of whole preference pairs (`pack_pairs`): each label also says which completion it belongs to."""
+
+    sequence: torch.Tensor
+    """Per label: its completion, `2·pair + 0` (chosen) or `+ 1` (rejected), pairs numbered in data order; -1 for
+    none."""
+    reference: torch.Tensor | None = None
+    """The reference policy's log-probability of each completion, by the same number (`evaluation.preference`)."""
+
+    def select(self, index: torch.Tensor) -> PairBlocks:
+        return PairBlocks(self.input_ids[index], self.labels[index], self.position_ids[index], self.sequence[index],
+                          self.reference)
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        """Also `completion` (the labels' completions renumbered: 2·i, 2·i + 1 for the batch's i-th pair), `pairs`
+        (their numbers in data order) and `reference` (their log-probabilities), on the host: the loss needs no sync."""
+        used = self.sequence >= 0
+        pairs, inverse = torch.unique(self.sequence[used] // 2, return_inverse=True)
+        completion = torch.full_like(self.sequence, -1)
+        completion[used] = 2 * inverse + self.sequence[used] % 2
+        out = {**super().batch(), "completion": completion, "pairs": pairs}
+        if self.reference is not None:
+            out["reference"] = self.reference[completions_of(pairs)]
+        return out
+
+
+def completions_of(pairs: torch.Tensor) -> torch.Tensor:
+    """The completions' numbers of `pairs`, chosen then rejected for each (`PairBlocks.sequence`)."""
+    return torch.stack([2 * pairs, 2 * pairs + 1], dim=1).flatten()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -154,6 +190,26 @@ def tokenize_chat(examples: list[dict], tokenizer: PreTrainedTokenizerBase, temp
     return _concat(docs)
 
 
+def tokenize_preference(examples: list[dict], tokenizer: PreTrainedTokenizerBase,
+                        template: str | None) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt, chosen + EOS, rejected + EOS) ids per pair, tokenized apart; a conversational pair rendered first:
+    the prompt with the generation prompt, a completion as what the whole conversation's rendering adds."""
+    eos = _eos(tokenizer)
+    texts = []
+    for x in examples:
+        if isinstance(x["prompt"], str):
+            texts.append((x["prompt"], x["chosen"], x["rejected"]))
+            continue
+        prompt = render_chat(x["prompt"], tokenizer, template, generation_prompt=True)
+        whole = [render_chat(x["prompt"] + x[key], tokenizer, template) for key in ("chosen", "rejected")]
+        if not all(w.startswith(prompt) for w in whole):
+            raise DataError("data.chat_template: the prompt rendered with the generation prompt is not a prefix of "
+                            "the prompt and completion rendered, so the completion cannot be located")
+        texts.append((prompt, *(w[len(prompt):] for w in whole)))
+    ids = [tokenizer([t[i] for t in texts], add_special_tokens=False)["input_ids"] for i in range(3)]
+    return [(p, c + [eos], r + [eos]) for p, c, r in zip(*ids)]
+
+
 def tokenize(examples: list[dict], cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenStream:
     if cfg.format == "text":
         return tokenize_text([x["text"] for x in examples], tokenizer)
@@ -193,12 +249,54 @@ def pack(stream: TokenStream, seq_len: int, pad_id: int = 0) -> Blocks:
     index = torch.arange(n_blocks)[:, None] * seq_len + torch.arange(seq_len + 1)[None, :]
     tokens, target_ok, starts = tokens[index], ok[index], starts[index]
     labels = tokens[:, 1:].masked_fill(~target_ok[:, 1:] | starts[:, 1:], IGNORE_INDEX)
-    # Position = distance to the latest document start within the block (block start counts as one).
+    return Blocks(tokens[:, :-1].contiguous(), labels.contiguous(), _positions(starts))
+
+
+def _positions(starts: torch.Tensor) -> torch.Tensor:
+    """Position ids of blocks of `seq_len + 1` tokens with document starts `starts`: the distance of each input to
+    the latest document start within its block (the block's start counts as one)."""
     starts = starts[:, :-1].clone()
     starts[:, 0] = True
-    steps = torch.arange(seq_len).expand(n_blocks, seq_len)
-    last_start = torch.cummax(torch.where(starts, steps, torch.zeros_like(steps)), dim=1).values
-    return Blocks(tokens[:, :-1].contiguous(), labels.contiguous(), steps - last_start)
+    steps = torch.arange(starts.shape[1]).expand(starts.shape)
+    return steps - torch.cummax(torch.where(starts, steps, torch.zeros_like(steps)), dim=1).values
+
+
+def pack_pairs(pairs: list[tuple[list[int], list[int], list[int]]], seq_len: int, packing: bool,
+               pad_id: int = 0) -> tuple[PairBlocks, int]:
+    """Each pair's two documents (prompt + chosen, prompt + rejected) in one row of `seq_len + 1` tokens, as `pack`'s
+    blocks; with `packing` pairs follow one another while they fit. A pair longer than a row has each document cut
+    to half a row (the completion's end, then the prompt's start); returns the rows and how many pairs were cut."""
+    budget, half = seq_len + 1, (seq_len + 1) // 2
+    rows: list[list[tuple[list[int], int, int]]] = []  # per row: (document ids, prompt length, completion number)
+    used, truncated = budget, 0
+    for number, (prompt, *completions) in enumerate(pairs):
+        docs = [(prompt + c, len(prompt), 2 * number + k) for k, c in enumerate(completions)]
+        if sum(len(d) for d, _, _ in docs) > budget:
+            truncated += 1
+            docs = []
+            for k, c in enumerate(completions):
+                c = c[: max(half - len(prompt), min(len(c), half // 2))]
+                p = prompt[max(0, len(prompt) + len(c) - half):]
+                docs.append((p + c, len(p), 2 * number + k))
+        length = sum(len(d) for d, _, _ in docs)
+        if not packing or used + length > budget:
+            rows.append([])
+            used = 0
+        rows[-1] += docs
+        used += length
+    tokens = torch.full((len(rows), budget), pad_id, dtype=torch.long)
+    sequence = torch.full((len(rows), budget), -1, dtype=torch.long)
+    starts = torch.zeros((len(rows), budget), dtype=torch.bool)
+    for r, docs in enumerate(rows):
+        at = 0
+        for ids, prompt_len, number in docs:
+            tokens[r, at : at + len(ids)] = torch.tensor(ids)
+            sequence[r, at + max(prompt_len, 1) : at + len(ids)] = number  # a document's first token has no input
+            starts[r, at] = True
+            at += len(ids)
+    labels = tokens[:, 1:].masked_fill(sequence[:, 1:] < 0, IGNORE_INDEX)
+    return PairBlocks(tokens[:, :-1].contiguous(), labels.contiguous(), _positions(starts),
+                      sequence[:, 1:].contiguous()), truncated
 
 
 def pad_documents(stream: TokenStream, seq_len: int, pad_id: int = 0) -> tuple[Blocks, int]:
@@ -232,20 +330,39 @@ def micro_batches(
     Each epoch is a seeded permutation of all blocks; rank r takes positions r, r+W, …, so ranks share no block
     and have as many batches (the remainder dropped).
     """
-    per_rank = len(blocks) // world_size // batch_size
-    if per_rank == 0:
-        raise DataError(
-            f"data: {len(blocks)} blocks cannot give each of {world_size} workers one micro-batch of "
-            f"{batch_size}; lower train.micro_batch_size or train.seq_len, or add data"
-        )
+    per_rank = _per_rank(len(blocks), batch_size, world_size)
     epoch, offset = divmod(start, per_rank)
     while True:
-        order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-        mine = order[rank::world_size][: per_rank * batch_size].view(per_rank, batch_size)
+        mine = _rank_rows(len(blocks), batch_size, rank, world_size, seed, epoch)
         for i in range(offset, per_rank):
-            b = blocks.select(mine[i])
-            yield {"input_ids": b.input_ids, "labels": b.labels, "position_ids": b.position_ids}
+            yield blocks.select(mine[i]).batch()
         epoch, offset = epoch + 1, 0
+
+
+def _per_rank(n_blocks: int, batch_size: int, world_size: int) -> int:
+    per_rank = n_blocks // world_size // batch_size
+    if per_rank == 0:
+        raise DataError(
+            f"data: {n_blocks} blocks cannot give each of {world_size} workers one micro-batch of "
+            f"{batch_size}; lower train.micro_batch_size or train.seq_len, or add data"
+        )
+    return per_rank
+
+
+def _rank_rows(n_blocks: int, batch_size: int, rank: int, world_size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The blocks of rank `rank`'s micro-batches in `epoch`, [micro-batches, batch_size]."""
+    per_rank = _per_rank(n_blocks, batch_size, world_size)
+    order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return order[rank::world_size][: per_rank * batch_size].view(per_rank, batch_size)
+
+
+def blocks_trained(n_blocks: int, batch_size: int, world_size: int, seed: int, n_micro: int) -> torch.Tensor:
+    """Every block the first `n_micro` micro-batches of each rank hold (`micro_batches`' order), sorted."""
+    per_rank, used = _per_rank(n_blocks, batch_size, world_size), []
+    for epoch in range(-(-n_micro // per_rank)):
+        take = min(per_rank, n_micro - epoch * per_rank)
+        used += [_rank_rows(n_blocks, batch_size, r, world_size, seed, epoch)[:take].flatten() for r in range(world_size)]
+    return torch.unique(torch.cat(used))
 
 
 def synthetic_batches(
@@ -271,7 +388,7 @@ class Dataset:
     fingerprint: dict
     """What was read: sources with file hashes or hub revisions, row counts, tokenizer name and hash, sizes."""
     validation_examples: list[dict] = field(default_factory=list)
-    """Held-out examples (for task evaluation by generation)."""
+    """The task evaluation's examples: `data.task_source`'s, else the held-out ones."""
 
 
 DATA_CACHE = "data_cache"
@@ -290,11 +407,7 @@ def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTok
     """
     if cfg.format == "synthetic":
         return build(cfg, train_cfg, tokenizer), "built"
-    key = storage.json_sha256({
-        "data": asdict(cfg), "seq_len": train_cfg.seq_len, "seed": train_cfg.seed,
-        "tokenizer": tokenizer_fingerprint(tokenizer, cfg.chat_template)["sha256"],
-    })[:16]
-    uri = storage.join(run_dir, DATA_CACHE, f"{key}.pt")
+    uri = storage.join(run_dir, DATA_CACHE, f"{data_key(cfg, train_cfg, tokenizer)}.pt")
     collective = dist.is_initialized() and dist.get_world_size() > 1
     how = "read"
     if not storage.exists(uri) and (not collective or dist.get_rank() == 0):
@@ -314,13 +427,20 @@ def build_once(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTok
     return dataset, how
 
 
+def data_key(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """What the tokenized data depends on, hashed: the data config, `seq_len`, seed and tokenizer."""
+    return storage.json_sha256({
+        "data": asdict(cfg), "seq_len": train_cfg.seq_len, "seed": train_cfg.seed,
+        "tokenizer": tokenizer_fingerprint(tokenizer, cfg.chat_template)["sha256"],
+    })[:16]
+
+
 def _blocks_dict(blocks: Blocks | None) -> dict | None:
-    return None if blocks is None else {"input_ids": blocks.input_ids, "labels": blocks.labels,
-                                        "position_ids": blocks.position_ids}
+    return None if blocks is None else {k: v for k, v in vars(blocks).items() if v is not None}
 
 
 def _blocks(saved: dict | None) -> Blocks | None:
-    return None if saved is None else Blocks(saved["input_ids"], saved["labels"], saved["position_ids"])
+    return None if saved is None else (PairBlocks if "sequence" in saved else Blocks)(**saved)
 
 
 def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None,
@@ -329,8 +449,10 @@ def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenize
     if cfg.format == "synthetic":
         return Dataset(None, None, {"format": "synthetic", "seed": train_cfg.seed})
     train_ex, val_ex, val_info = read_examples(cfg, train_cfg.seed)
+    task_ex = read_task_examples(cfg)
+    task_items = task_ex.items if task_ex is not None else val_ex.items if val_ex is not None else []
     if on_heldout_rows is not None:
-        on_heldout_rows(val_ex.items if val_ex is not None else [])
+        on_heldout_rows(task_items)
     padding = pad_id(tokenizer)
     fingerprint = {
         "format": cfg.format,
@@ -339,20 +461,27 @@ def build(cfg: DataConfig, train_cfg: TrainConfig, tokenizer: PreTrainedTokenize
         "tokenizer": tokenizer_fingerprint(tokenizer, cfg.chat_template),
         "seq_len": train_cfg.seq_len,
         "packing": cfg.packing,
+        **({"task_source": task_ex.info} if task_ex is not None else {}),
     }
     out = []
     for name, ex in (("train", train_ex), ("validation", val_ex)):
         if ex is None:
             out.append(None)
             continue
-        stream = tokenize(ex.items, cfg, tokenizer)
-        if cfg.packing:
-            blocks = pack(stream, train_cfg.seq_len, padding)
+        if cfg.format == "preference":
+            pairs = tokenize_preference(ex.items, tokenizer, cfg.chat_template)
+            blocks, truncated = pack_pairs(pairs, train_cfg.seq_len, cfg.packing, padding)
+            fingerprint[f"{name}_pairs"], fingerprint[f"{name}_truncated_pairs"] = len(pairs), truncated
+            fingerprint[f"{name}_tokens"] = sum(2 * len(p) + len(c) + len(r) for p, c, r in pairs)
         else:
-            blocks, truncated = pad_documents(stream, train_cfg.seq_len, padding)
-            fingerprint[f"{name}_truncated_documents"] = truncated
-        fingerprint[f"{name}_tokens"] = int(stream.tokens.numel())
+            stream = tokenize(ex.items, cfg, tokenizer)
+            if cfg.packing:
+                blocks = pack(stream, train_cfg.seq_len, padding)
+            else:
+                blocks, truncated = pad_documents(stream, train_cfg.seq_len, padding)
+                fingerprint[f"{name}_truncated_documents"] = truncated
+            fingerprint[f"{name}_tokens"] = int(stream.tokens.numel())
         fingerprint[f"{name}_target_tokens"] = int((blocks.labels != IGNORE_INDEX).sum())
         fingerprint[f"{name}_blocks"] = len(blocks)
         out.append(blocks)
-    return Dataset(out[0], out[1], fingerprint, val_ex.items if val_ex is not None else [])
+    return Dataset(out[0], out[1], fingerprint, task_items)

@@ -27,6 +27,7 @@ from .finish import export_due, finish
 from .metrics import StepProfiler, Timeline
 from .model import export
 from .optimizer import clip_in_step
+from .pairs import make_pairs
 from .parts import Interval, LoopState, StepResult
 from .trainer import Trainer
 
@@ -71,7 +72,7 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
         return
 
     try:
-        results = fit(loop_config, launcher, device, record, timeline)
+        results = (make_pairs if cfg.mode == "pairs" else fit)(loop_config, launcher, device, record, timeline)
     except BaseException as exc:
         preempted = isinstance(exc, Preempted)
         if not preempted:

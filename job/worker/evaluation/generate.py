@@ -1,4 +1,5 @@
-"""Greedy generation on a plain (unsharded) causal LM: for the task evaluation, the sample and the export's check.
+"""Greedy generation on a plain (unsharded) causal LM: for the task evaluation, the sample and the export's check;
+sampled generation (`Sampling`) for the pairs a model makes itself (`worker/pairs.py`).
 
 `greedy_generate` decodes what Transformers' `generate(do_sample=False, cache_implementation="static")` decodes,
 token for token (tests/test_generate.py), without its per-step host work:
@@ -80,11 +81,32 @@ def use_grouped_decode(lm: PreTrainedModel) -> None:
     lm.set_attn_implementation(GROUPED_DECODE)
 
 
+@dataclass
+class Sampling:
+    """Each token drawn from softmax(logits / `temperature`) within the nucleus of probability `top_p`, seeded."""
+
+    temperature: float
+    top_p: float
+    seed: int
+
+    def __call__(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One token per row: the largest probability / Exponential(1) noise is a draw (the exponential race) that
+        needs no host sync, so a CUDA graph holds it."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1:
+            ordered, order = probs.sort(dim=-1, descending=True)
+            outside = ordered.cumsum(dim=-1) - ordered >= self.top_p  # the tokens after the nucleus is reached
+            probs = probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        return (probs / noise).argmax(dim=-1)
+
+
 @torch.no_grad()
 def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                     eos_token_id: int | None, pad_token_id: int, cuda_graph: bool = True,
-                    drop_ended_below: float = DROP_ENDED_BELOW) -> Generated:
-    """Greedy continuation of the left-padded `input_ids` by `lm`, at most `max_new_tokens` new tokens.
+                    drop_ended_below: float = DROP_ENDED_BELOW, sampling: Sampling | None = None) -> Generated:
+    """Greedy continuation of the left-padded `input_ids` by `lm`, at most `max_new_tokens` new tokens; with
+    `sampling`, sampled instead.
 
     With `eos_token_id`, stops once every row has produced it (ended rows padded with `pad_token_id`); without,
     runs exactly `max_new_tokens` steps. On CUDA the step is a CUDA graph unless `cuda_graph` is False or the
@@ -94,19 +116,24 @@ def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask
         raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
     use_grouped_decode(lm)
     if (why := unsupported(lm)) is not None:
-        return Generated(hf_generate(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id),
-                         f"generate ({why})")
-    decoder = StaticDecoder(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, drop_ended_below)
+        return Generated(hf_generate(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                                     sampling), f"generate ({why})")
+    decoder = StaticDecoder(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, drop_ended_below,
+                            sampling)
     decode = decoder.run(cuda_graph and input_ids.device.type == "cuda")
     return Generated(torch.cat([input_ids, decoder.new_tokens()], dim=1), decode)
 
 
 def hf_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                eos_token_id: int | None, pad_token_id: int) -> torch.Tensor:
-    """Transformers' own greedy loop with a static cache (what `greedy_generate` reproduces)."""
-    return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                       do_sample=False, temperature=None, top_p=None, top_k=None, cache_implementation="static",
-                       disable_compile=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                eos_token_id: int | None, pad_token_id: int, sampling: Sampling | None = None) -> torch.Tensor:
+    """Transformers' own loop with a static cache: greedy (what `greedy_generate` reproduces), or sampled."""
+    if sampling is not None:
+        torch.manual_seed(sampling.seed)
+    how = (dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p) if sampling else
+           dict(do_sample=False, temperature=None, top_p=None))
+    return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, top_k=None,
+                       cache_implementation="static", disable_compile=True, eos_token_id=eos_token_id,
+                       pad_token_id=pad_token_id, **how)
 
 
 def unsupported(lm: PreTrainedModel) -> str | None:
@@ -131,20 +158,21 @@ class StaticDecoder:
 
     def __init__(self, lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  max_new_tokens: int, eos_token_id: int | None, pad_token_id: int,
-                 drop_ended_below: float = DROP_ENDED_BELOW):
+                 drop_ended_below: float = DROP_ENDED_BELOW, sampling: Sampling | None = None):
         from transformers import StaticCache
 
         batch, width = input_ids.shape
         device = input_ids.device
         self.lm, self.eos, self.pad, self.max_new = lm, eos_token_id, pad_token_id, max_new_tokens
-        self.drop_ended_below = drop_ended_below
+        self.drop_ended_below, self.sampling = drop_ended_below, sampling
+        self.generator = torch.Generator(device).manual_seed(sampling.seed) if sampling else None
         # `past_key_values` was renamed `cache` in Transformers 5.24 (the old name still works there, with a warning).
         self.cache_arg = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
         self.cache = StaticCache(config=lm.config, max_cache_len=width + max_new_tokens)
         # Positions as `generate` makes them: counted over the real tokens, pads at 1.
         positions = attention_mask.long().cumsum(-1) - 1
         positions.masked_fill_(attention_mask == 0, 1)
-        first = self.forward(input_ids, attention_mask, positions).argmax(-1)
+        first = self.pick(self.forward(input_ids, attention_mask, positions))
 
         self.new = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         self.new[:, 0] = first
@@ -165,10 +193,14 @@ class StaticDecoder:
                       **{self.cache_arg: self.cache})
         return out.logits[:, -1]
 
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token: the argmax, or a draw (`sampling`)."""
+        return self.sampling(logits, self.generator) if self.sampling else logits.argmax(-1)
+
     def step(self) -> None:
         """One decode step, in place: feed `token`, write the next one to `new`."""
         mask = (self.attendable & (self.slots <= self.slot))[:, None, None, :]
-        token = self.forward(self.token[:, None], mask, self.position).argmax(-1)
+        token = self.pick(self.forward(self.token[:, None], mask, self.position))
         if self.eos is not None:
             token = torch.where(self.ended, self.pad, token)
             self.ended.logical_or_(token == self.eos)
@@ -209,6 +241,8 @@ class StaticDecoder:
     def capture(self) -> tuple[torch.cuda.CUDAGraph | None, str]:
         """`step` captured as a CUDA graph (capturing runs nothing: the state stays as it was), or None and why not."""
         graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)  # each replay draws anew, as the eager step would
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.step()

@@ -8,6 +8,8 @@ repeats, so the result is exact and no rank waits on a collective that another n
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,11 +67,8 @@ def evaluate(model: CausalLMWithLoss, blocks: data_lib.Blocks, cfg: RunConfig, r
     once), so it reuses the training step's graph rather than compiling one of its own (~20 s for Qwen2.5-1.5B).
     That needs a model without dropout; one with dropout is evaluated in eval mode, under `no_grad`.
     """
-    as_training = cfg.parallel.compile and not has_dropout(model)
-    if not as_training:
-        model.eval()
     totals = torch.zeros(2, device=device)
-    with torch.set_grad_enabled(as_training):
+    with evaluating(model, cfg):
         for index, real in eval_batches(len(blocks), rank, world, cfg.train.micro_batch_size, cfg.eval.max_batches):
             b = blocks.select(torch.tensor(index))
             labels = b.labels.clone()
@@ -78,9 +77,22 @@ def evaluate(model: CausalLMWithLoss, blocks: data_lib.Blocks, cfg: RunConfig, r
             totals += torch.stack([t.detach().float() for t in model(input_ids=b.input_ids.to(device),
                                                                      labels=labels.to(device),
                                                                      position_ids=b.position_ids.to(device))])
-    model.train()
     dist.all_reduce(totals)
     return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+@contextmanager
+def evaluating(model: CausalLMWithLoss, cfg: RunConfig) -> Iterator[None]:
+    """Forwards that only measure: in train mode with autograd on under `parallel.compile` (their results detached
+    at once), see `evaluate`; else in eval mode under `no_grad`."""
+    as_training = cfg.parallel.compile and not has_dropout(model)
+    if not as_training:
+        model.eval()
+    try:
+        with torch.set_grad_enabled(as_training):
+            yield
+    finally:
+        model.train()
 
 
 def has_dropout(model: CausalLMWithLoss) -> bool:

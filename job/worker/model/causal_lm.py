@@ -23,7 +23,7 @@ from ...common.presets import hf_config
 from ...config import ConfigError, ModelConfig
 from ..data import IGNORE_INDEX
 from . import nf4
-from .loss import chunked_cross_entropy
+from .loss import chunked_cross_entropy, token_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -193,14 +193,17 @@ class CausalLMWithLoss(nn.Module):
         with sdpa_kernel(self.sdpa_backend):
             return self._forward(*args, **kwargs)
 
-    def _forward(self, input_ids, labels, position_ids=None):
-        """`(loss_sum, n_targets)` of the next-token targets `labels`."""
+    def _forward(self, input_ids, labels, position_ids=None, per_token=False):
+        """`(loss_sum, n_targets)` of the next-token targets `labels`; with `per_token`, each label's log-probability
+        instead (flat, fp32, 0 where ignored: what a preference objective sums per completion)."""
         # No KV cache: with one, transformers skips the packed-sequence mask derived from position_ids and
         # attention would cross document boundaries.
         with computing_on_copies(self.lm, self.compute_dtype) if self.compute_dtype else nullcontext():
             hidden = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
             head_weight = self.lm.get_output_embeddings().weight
         hidden, labels = hidden.flatten(0, 1), labels.flatten()
+        if per_token:
+            return token_logprobs(hidden, head_weight, labels, self.loss_chunk_size)
         if self.loss_chunk_size:
             return chunked_cross_entropy(hidden, head_weight, labels, self.loss_chunk_size)
         logits = F.linear(hidden, head_weight).float()

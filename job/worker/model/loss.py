@@ -86,3 +86,69 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss_sum = ChunkedCrossEntropy.apply(hidden, weight, labels, int(chunk_size), with_grad)
     return loss_sum, (labels != IGNORE_INDEX).sum()
+
+
+def _token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    x = logits.float()
+    valid = labels != IGNORE_INDEX
+    target = x.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(valid, target - torch.logsumexp(x, dim=-1), 0.0)
+
+
+def _logprob_grad(logits: Tensor, labels: Tensor, scale: Tensor) -> Tensor:
+    """scale · (onehot - softmax), the gradient of `_token_logprobs` per row, in the logits' dtype."""
+    x = logits.float()
+    valid = (labels != IGNORE_INDEX).unsqueeze(1)
+    target = labels.clamp(min=0).unsqueeze(1)
+    s = torch.where(valid, scale.unsqueeze(1), 0.0)
+    grad = -s * (x - torch.logsumexp(x, dim=-1, keepdim=True)).exp()
+    return grad.scatter_add(1, target, s).to(logits.dtype)
+
+
+_token_logprobs_cuda = torch.compile(_token_logprobs, dynamic=False)
+_logprob_grad_cuda = torch.compile(_logprob_grad, dynamic=False)
+
+
+class ChunkedTokenLogProbs(torch.autograd.Function):
+    """Per-token log-probabilities, chunk by chunk. Their upstream gradient differs per token (DPO weighs each
+    completion by its pair's loss), so backward computes each chunk's logits again (one more lm-head matmul); with a
+    frozen head (LoRA), forward keeps each token's hidden-state gradient at unit weight, and backward scales it."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
+        cuda = hidden.is_cuda
+        logprobs_of, grad_of = (_token_logprobs_cuda, _logprob_grad_cuda) if cuda else (_token_logprobs, _logprob_grad)
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        unit = torch.empty_like(hidden) if ctx.needs_input_grad[0] and not ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], chunk_size):
+            logits, y = hidden[s : s + chunk_size] @ weight.t(), labels[s : s + chunk_size]
+            out[s : s + chunk_size] = logprobs_of(logits, y)
+            if unit is not None:
+                unit[s : s + chunk_size] = grad_of(logits, y, torch.ones_like(y, dtype=torch.float32)) @ weight
+        ctx.save_for_backward(hidden, weight, labels, unit)
+        ctx.chunk_size, ctx.cuda = chunk_size, cuda
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        hidden, weight, labels, unit = ctx.saved_tensors
+        if unit is not None:
+            return unit * grad_out.unsqueeze(1).to(unit.dtype), None, None, None
+        grad_of = _logprob_grad_cuda if ctx.cuda else _logprob_grad
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], ctx.chunk_size):
+            h, y = hidden[s : s + ctx.chunk_size], labels[s : s + ctx.chunk_size]
+            g = grad_of(h @ weight.t(), y, grad_out[s : s + ctx.chunk_size].float())
+            if grad_h is not None:
+                grad_h[s : s + ctx.chunk_size] = g @ weight
+            if grad_w is not None:
+                grad_w = _add_weight_grad(grad_w, g, h)
+        return grad_h, grad_w.to(weight.dtype) if grad_w is not None else None, None, None
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 0) -> Tensor:
+    """log softmax(hidden @ weight.T)[labels] per token, fp32 ([N]; 0 where ignored): chunked with a `chunk_size`."""
+    if chunk_size:
+        return ChunkedTokenLogProbs.apply(hidden, weight, labels, int(chunk_size))
+    return _token_logprobs(hidden @ weight.t(), labels)
