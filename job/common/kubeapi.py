@@ -16,12 +16,12 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class ApiError(Exception):
-    """A request that did not succeed: `status` is the HTTP status, None when no answer came (no API server, no
-    token, a timeout)."""
+    """A request that did not succeed: `status` is the HTTP status, None when no answer came; `retry` whether
+    asking again may help (no answer, a server error, throttling; not a refusal, a missing token or API server)."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, retry: bool = False):
         super().__init__(message)
-        self.status = status
+        self.status, self.retry = status, retry
 
 
 @dataclass
@@ -64,9 +64,11 @@ class InCluster:
             with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
                 return json.load(response)
         except urllib.error.HTTPError as exc:
-            raise ApiError(f"HTTP {exc.code} from {method} {url}", exc.code) from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise ApiError(f"cannot reach {url}: {exc}") from None
+            raise ApiError(f"HTTP {exc.code} from {method} {url}", exc.code, exc.code >= 500 or exc.code == 429) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ApiError(f"cannot reach {url}: {exc}", retry=True) from None
+        except ValueError as exc:  # an answer that is not JSON
+            raise ApiError(f"{method} {url}: {exc}") from None
 
 
 def pod_namespace(env: Mapping[str, str] | None = None) -> str | None:

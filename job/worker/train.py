@@ -24,7 +24,7 @@ from . import compile_cache, schedule
 from .build import build
 from .contract import Launcher, LoopConfig
 from .finish import export_due, finish
-from .metrics import StepProfiler, Timeline
+from .metrics import INNER_PHASES, StepProfiler, Timeline
 from .model import export
 from .optimizer import clip_in_step
 from .parts import Interval, LoopState, StepResult
@@ -51,7 +51,7 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
 
     full_preflight = cfg.preflight.enabled or cfg.mode == "preflight"
     record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
-                       seed=cfg.train.seed)
+                       seed=cfg.train.seed, logs=failures.attempt_logs(run_dir, loop_config.started_at))
     try:
         with timeline.phase("startup"):
             preflight = preflight_lib.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT,
@@ -172,8 +172,6 @@ class LoopClock:
     """The seconds of the phases timed inside the loop (eval, checkpoint, task_eval) spent before it began."""
     first_step_s: float | None = None
 
-    PHASES_INSIDE = ("eval", "checkpoint", "task_eval")
-
     @classmethod
     def begin(cls, trainer: Trainer) -> LoopClock:
         """The clock started as the loop begins (the device's peak memory counted from here)."""
@@ -181,7 +179,9 @@ class LoopClock:
         if trainer.worker.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.worker.device)
         timeline.sync()
-        return cls(time.perf_counter(), sum(timeline.seconds[p] for p in cls.PHASES_INSIDE))
+        clock = cls(time.perf_counter(), sum(timeline.seconds[p] for p in INNER_PHASES))
+        timeline.training_since = (clock.start, clock.outside_train)
+        return clock
 
     def first_step_done(self, trainer: Trainer) -> None:
         """After the first step: everything the training step compiles has been compiled (and is kept on the
@@ -194,8 +194,9 @@ class LoopClock:
     def account(self, trainer: Trainer) -> None:
         timeline = trainer.worker.timeline
         timeline.sync()
+        timeline.training_since = None
         loop_s = time.perf_counter() - self.start
-        train_s = loop_s - (sum(timeline.seconds[p] for p in self.PHASES_INSIDE) - self.outside_train)
+        train_s = loop_s - (sum(timeline.seconds[p] for p in INNER_PHASES) - self.outside_train)
         steps = trainer.worker.cfg.train.max_steps - trainer.start_step
         if steps:
             warmup = max(0.0, self.first_step_s - (train_s - self.first_step_s) / (steps - 1)) if steps > 1 else 0.0
