@@ -248,6 +248,10 @@ def test_lost_rank0_ends_failed_worker_lost(tmp_path):
     assert verdict[1].startswith("cause: ") and f"run directory: {run_dir} (run.json)" in verdict
     assert verdict[-1] == ("next: rerun; it resumes from its newest complete checkpoint, if any: "
                            f"python -m job --config {cmd[-1]}"), verdict
+    # The driver's output, verdict included, is kept beside the workers' tracebacks, where the record points.
+    assert f"logs: {record['logs']}/ (driver.log)" in verdict and record["logs"].startswith(f"{run_dir}/logs/")
+    kept = open(os.path.join(record["logs"], "driver.log")).read()
+    assert "# resolved config" in kept and kept.rstrip().endswith(verdict[-1]), kept[-2000:]
 
 
 def _wait_for(predicate, timeout_s: float, what: str):

@@ -241,6 +241,16 @@ class RayJobReporter:
         self._call("POST", f"/api/v1/namespaces/{self.namespace}/events", body)
 
 
+GAUGES = (("step", "last logged training step"), ("max_steps", "train.max_steps"),
+          ("train_loss", "training loss of the last log interval"), ("eval_loss", "last held-out loss"),
+          ("tokens_per_second", "training tokens per second, all workers"), ("mfu", "model FLOPs utilisation"),
+          ("goodput", "training time / wall time of the attempt so far"),
+          ("checkpoint_blocking_seconds", "training time the last checkpoint held up"),
+          ("eta_seconds", "estimated time to the last step"))
+"""`finetune_<name>{run}` (Ray adds `ray_`), besides `finetune_task_score{run, task}` and
+`finetune_phase_seconds{run, phase}`: what dashboards/ray-finetune.json plots."""
+
+
 class RunMetrics:
     """The run's numbers as Ray gauges (`ray_finetune_*{run=...}` on the node's metrics port), set again at every
     follow: Ray drops a gauge not recorded within two export intervals."""
@@ -253,13 +263,7 @@ class RunMetrics:
             g.set_default_tags({"run": run_name})
             return g
 
-        self.gauges = {name: gauge(name, about) for name, about in (
-            ("step", "last logged training step"), ("max_steps", "train.max_steps"),
-            ("train_loss", "training loss of the last log interval"), ("eval_loss", "last held-out loss"),
-            ("tokens_per_second", "training tokens per second, all workers"), ("mfu", "model FLOPs utilisation"),
-            ("goodput", "training time / wall time of the attempt so far"),
-            ("checkpoint_blocking_seconds", "training time the last checkpoint held up"),
-            ("eta_seconds", "estimated time to the last step"))}
+        self.gauges = {name: gauge(name, about) for name, about in GAUGES}
         self.task = gauge("task_score", "task exact match (eval.task)", "task")
         self.phases = gauge("phase_seconds", "seconds of the attempt in each phase", "phase")
 
