@@ -859,7 +859,8 @@ def test_notes_give_commands_for_this_release():
     for command in (f"kubectl -n experiments get rayjob {rayjob} -w", f"kubectl -n experiments logs -f job/{rayjob}",
                     "helm test exp1 -n experiments --logs", "/mnt/runs/exp1/metrics.jsonl",
                     "kubectl -n experiments cp exp1-copy:/mnt/runs/exp1 ./exp1", "python -m job report ./exp1",
-                    "-o jsonpath='{.data.auth_token}' | base64 -d"):
+                    "-o jsonpath='{.data.auth_token}' | base64 -d", f"kubectl -n experiments describe rayjob {rayjob}",
+                    "/mnt/runs/exp1/logs/<driver start>/driver.log", 'ray_finetune_*{run="exp1"}'):
         assert command in text
     assert "-c ray-head -- python -m job runs /mnt/runs\n" in text  # the index, from the pod that mounts the claim
     on_s3 = notes("--set", "storage.uri=s3://b/p")

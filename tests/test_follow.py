@@ -133,9 +133,10 @@ def test_the_rayjob_tells_the_runs_progress_and_story_in_order(api, tmp_path, mo
     assert succeeded["message"] == f"step 10/10, train loss 4, goodput 60.0%; run directory {run_dir}"
 
 
-def test_a_restarted_attempt_tells_its_failure_class_then_the_resume(api, tmp_path, monkeypatch):
-    """Ray Train restarted the workers in this driver: the failed attempt's class is the Warning's reason (an
-    attempt whose process died without a word is a lost worker); a failure that ends the run is told by `ended`."""
+def test_a_resumed_attempt_tells_the_class_of_the_failure_it_resumes_from(api, tmp_path, monkeypatch):
+    """Ray Train restarted the workers, or a new driver resumes the run: the failed attempt's class is the
+    Warning's reason (an attempt whose process died without a word is a lost worker); a failure that ends the run
+    is told by `ended`."""
     monkeypatch.setattr(follow.os, "environ", {**SUBMISSION})
     run_dir = tmp_path / "runs" / "exp1"
     since = 1000.0
@@ -152,7 +153,8 @@ def test_a_restarted_attempt_tells_its_failure_class_then_the_resume(api, tmp_pa
         follower.follow()
         (warning, resumed) = api["events"]
         assert (warning["type"], warning["reason"], resumed["reason"]) == ("Warning", reason, "Resumed"), api["events"]
-        assert resumed["message"].startswith(f"from step 3 ({run_dir}/checkpoint_000003): the previous attempt ended ")
+        assert resumed["message"].startswith(f"from step 3 ({run_dir}/checkpoint_000003) after the previous attempt ended ")
+        assert warning["message"].startswith(f"the attempt started {started} ended ")
     follower.ended("failed", failures.error("model", "export_refused", "export failed its acceptance check"))
     assert (api["events"][-1]["reason"], api["events"][-1]["message"]) == (
         "ExportRefused", "model/export_refused: export failed its acceptance check")

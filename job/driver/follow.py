@@ -123,9 +123,9 @@ class Progress:
         return {ANNOTATION_PREFIX + k: v for k, v in values.items()}
 
 
-def story(row: dict, record: dict | None, since: float) -> list[tuple[str, str, str]]:
-    """The Events (type, reason, message) a new metrics record tells; `record` is run.json's newest (for why an
-    attempt resumed), `since` this driver's start (an earlier attempt of it failed: Ray Train restarted it)."""
+def story(row: dict, record: dict | None) -> list[tuple[str, str, str]]:
+    """The Events (type, reason, message) a new metrics record tells; `record` is run.json's newest, whose last
+    previous attempt is why a resumed attempt resumes: its failure is told first, its class the reason."""
     kind, step = row.get("kind"), row.get("step")
     if kind == "start" and not row.get("start_step"):
         return [("Normal", "Started", f"training from step 0, {row.get('world_size')} workers, "
@@ -138,13 +138,11 @@ def story(row: dict, record: dict | None, since: float) -> list[tuple[str, str, 
             if previous.get("status") == "interrupted" and not err:  # its process died without a word
                 err = failures.error("infrastructure", "worker_lost", "an attempt's process died without closing "
                                      "its record (its pod deleted, killed, out of memory)", step=previous.get("steps"))
-            why = f"the previous attempt ended {previous.get('status')}" + (
-                f" ({failures.one_line(err)})" if err else "")
-            started = previous.get("started_at")
-            if err and started and _dt.datetime.fromisoformat(started).timestamp() >= int(since):
-                events.append(("Warning", event_reason(err), f"attempt failed: {failures.one_line(err)}; Ray Train "
-                                                             "restarts the workers (scaling.max_failures)"))
-        events.append(("Normal", "Resumed", f"from step {step} ({row.get('checkpoint')}): {why}"))
+            why = f"the previous attempt ended {previous.get('status')}"
+            if err:
+                events.append(("Warning", event_reason(err), f"the attempt started {previous.get('started_at')} "
+                                                             f"ended {previous.get('status')}: {failures.one_line(err)}"))
+        events.append(("Normal", "Resumed", f"from step {step} ({row.get('checkpoint')}) after {why}"))
         return events
     if kind == "checkpoint":
         return [("Normal", "CheckpointSaved", f"step {step} complete in {row.get('dir')} (write {row.get('write_s', 0):.1f} s, "
@@ -336,7 +334,7 @@ class Follower:
                         record = run_record.load_latest(self.run_dir)
                     except (OSError, ValueError):
                         record = {}
-                for kind, reason, message in story(row, record, self.since):
+                for kind, reason, message in story(row, record):
                     self.reporter.event(kind, reason, message)
         if self.seen < self.since:  # only earlier attempts' records so far: this one is starting
             self.progress.state = "starting"
