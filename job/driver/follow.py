@@ -51,10 +51,12 @@ def _duration(seconds: float) -> str:
 
 
 def event_reason(err: dict | None) -> str:
-    """An Event's reason for a run's `error`: its reason in CamelCase (`worker_lost` -> `WorkerLost`), or for a
-    plain `exception` its class (`DataError`, `ConfigError`, `UnknownError`)."""
+    """An Event's reason for a run's `error`: its reason in CamelCase (`worker_lost` -> `WorkerLost`), for a plain
+    `exception` its class (`DataError`, `ConfigError`, `UnknownError`), `Cancelled` for a cancelled run."""
     err = err or {}
     reason = err.get("reason") or "exception"
+    if err.get("class") == "cancelled":
+        return "Cancelled"
     if reason == "exception":
         reason = f"{err.get('class') or 'unknown'}_error"
     return "".join(part.capitalize() for part in reason.split("_"))
@@ -290,6 +292,7 @@ class Follower:
         self.seen = 0.0
         """The time of the last record read."""
         self.metrics: RunMetrics | None = None
+        self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="job-follow", daemon=True)
         self._lock = threading.Lock()
@@ -317,7 +320,13 @@ class Follower:
                 self._check()
                 self._follow()
             except Exception as e:  # noqa: BLE001 -- following must never end the run
-                print(f"warning: following {self.run_dir}: {type(e).__name__}: {e}", flush=True)
+                self.warn(f"following {self.run_dir}: {type(e).__name__}: {e}")
+
+    def warn(self, message: str) -> None:
+        """One warning per kind of trouble, not one per follow."""
+        if message not in self._warned:
+            self._warned.add(message)
+            print(f"warning: {message}", flush=True)
 
     def _follow(self) -> None:
         try:
@@ -340,8 +349,12 @@ class Follower:
             self.progress.state = "starting"
         if self.reporter and rows:
             self.reporter.annotate(self.progress.annotations(time.time()))
-        if self.metrics is None and _ray_connected():
-            self.metrics = RunMetrics(self.run_name)
+        if self.metrics is None and "metrics" not in self._warned and _ray_connected():
+            try:
+                self.metrics = RunMetrics(self.run_name)
+            except Exception as e:  # noqa: BLE001 -- a Ray without metrics: the run goes on without them
+                self._warned.add("metrics")
+                self.warn(f"no Ray metrics of the run: {type(e).__name__}: {e}")
         if self.metrics is not None:
             self.metrics.update(self.progress)
 
@@ -352,21 +365,25 @@ class Follower:
         self.follow()
 
     def ended(self, status: str, err: dict | None = None, message: str | None = None) -> None:
-        """The run's ending on the RayJob: its state annotation and an Event (`Succeeded`, or the failure's class
-        as the reason and its cause as the message)."""
+        """The run's ending on the RayJob: its state annotation and an Event (`Succeeded`, with `message` or the
+        last step, loss and goodput; or the failure's class as the reason and its cause as the message)."""
         if not self.reporter:
             return
         with self._lock:
-            self._check()
-            self.progress.state = status if not err else f"{status}: {err.get('class')}/{err.get('reason')}"
-            self.reporter.annotate(self.progress.annotations(time.time()))
-            if status == "succeeded":
+            try:
+                self._check()
                 p = self.progress
-                self.reporter.event("Normal", "Succeeded", message or (
-                    f"step {p.step}/{p.max_steps}, train loss {p.loss:.4g}" if p.loss is not None else "succeeded")
-                    + (f", goodput {p.goodput:.1%}" if p.goodput is not None else "") + f"; run directory {self.run_dir}")
-            else:
-                self.reporter.event("Warning", event_reason(err), message or failures.one_line(err) or status)
+                p.state = f"{status}: {err.get('class')}/{err.get('reason')}" if err else status
+                self.reporter.annotate(p.annotations(time.time()))
+                if status != "succeeded":
+                    self.reporter.event("Warning", event_reason(err), message or failures.one_line(err) or status)
+                    return
+                done = [f"step {p.step}/{p.max_steps}"] if p.step is not None else []
+                done += [f"train loss {p.loss:.4g}"] if isinstance(p.loss, (int, float)) else []
+                done += [f"goodput {p.goodput:.1%}"] if isinstance(p.goodput, (int, float)) else []
+                self.reporter.event("Normal", "Succeeded", message or f"{', '.join(done)}; run directory {self.run_dir}")
+            except Exception as e:  # noqa: BLE001 -- the run's ending is already decided
+                self.warn(f"telling the run's ending on its RayJob: {type(e).__name__}: {e}")
 
 
 def _ray_connected() -> bool:
@@ -397,14 +414,18 @@ class DriverLog:
     def __init__(self, run_dir: str, started_at: float):
         self.path = storage.join(failures.attempt_logs(run_dir, started_at), DRIVER_LOG)
         self.remote = storage.is_remote(self.path)
-        if self.remote:
-            fd, local = tempfile.mkstemp(prefix="driver-", suffix=".log")
-            os.close(fd)
-        else:
-            local = storage.local_path(self.path)
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-        self.local = local
-        self._file = open(local, "a", encoding="utf-8", errors="replace", buffering=1)
+        try:
+            if self.remote:
+                fd, self.local = tempfile.mkstemp(prefix="driver-", suffix=".log")
+                os.close(fd)
+            else:
+                self.local = storage.local_path(self.path)
+                os.makedirs(os.path.dirname(self.local), exist_ok=True)
+            self._file = open(self.local, "a", encoding="utf-8", errors="replace", buffering=1)
+        except OSError as e:  # the run goes on; its output is still where it was
+            print(f"warning: cannot keep the driver's output in {self.path}: {e}", file=sys.stderr, flush=True)
+            self._file = open(os.devnull, "w", encoding="utf-8")
+            self.remote = False
         self._lock = threading.Lock()
         self._streams = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(sys.stdout, self), _Tee(sys.stderr, self)
