@@ -25,6 +25,7 @@ from job.common import checkpoints, sources
 from job.driver import launch
 from job.records import failures, run_record
 from job.records import lease as lease_lib
+from job.worker.model.export import ExportError
 
 
 def validate(record):
@@ -94,6 +95,7 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
      ("unknown", "exception", "CheckpointError")),
     (RuntimeError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!"), ("unknown", "exception", "RuntimeError")),
     (ValueError("boom"), ("unknown", "exception", "ValueError")),
+    (_wrapped(ExportError("export e failed its acceptance check: loss 9 vs 3")), ("model", "export_refused", "ExportError")),
 ])
 def test_classify_from_the_exception_chain(exc, expected):
     err = failures.describe(exc, step=3, rank=1)

@@ -95,14 +95,18 @@ def test_the_rayjob_tells_the_runs_progress_and_story_in_order(api, tmp_path, mo
     monkeypatch.setattr(follow.os, "environ", {**SUBMISSION})
     run_dir = tmp_path / "runs" / "exp1"
     since = 1000.0
-    earlier = [{"kind": "task_eval", "time": 900.0, "step": 0, "task": "gsm8k", "exact_match": 0.25, "n": 8},
+    earlier = [{"kind": "start", "time": 899.0, "start_step": 0, "params": 2.5e6, "world_size": 2, "method": "full"},
+               {"kind": "task_eval", "time": 900.0, "step": 0, "task": "gsm8k", "exact_match": 0.25, "n": 8},
                {"kind": "eval", "time": 901.0, "step": 0, "eval_loss": 6.5, "eval_ppl": 665.0}]
     rows = earlier + [
         {"kind": "start", "time": 1001.0, "start_step": 0, "params": 2.5e6, "world_size": 2, "method": "full"},
         *({"kind": "train", "time": 1001.0 + s, "step": s, "loss": 5.0 - s / 10, "tokens_per_s": 100.0, "mfu": None,
            "goodput": 0.5, "phases_s": {"startup": 20.0, "train": float(s)}} for s in (1, 2, 3, 4))]
-    write_metrics(run_dir, rows)
+    write_metrics(run_dir, earlier)
     follower = follow.Follower(str(run_dir), "exp1", 10, since, reporter(api))
+    follower.follow()  # this attempt is not logging yet
+    assert api["annotations"]["ray-finetune/state"] == "starting" and not api["events"]
+    write_metrics(run_dir, rows)
     follower.follow()
     notes = api["annotations"]
     assert notes["ray-finetune/step"] == "4/10" and notes["ray-finetune/progress"] == "40%"
