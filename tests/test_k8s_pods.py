@@ -118,7 +118,7 @@ class Node(ControlPlane):
         """The run's gauges on a Ray pod's metrics port (KubeRay's `metrics`, 8080), read through the API server's
         proxy: `{series with its labels: value}` of the `ray_finetune_*` lines."""
         text = self.core.connect_get_namespaced_pod_proxy_with_path(
-            f"{pod}:8080", namespace, "metrics", _preload_content=False).data.decode()
+            f"{pod}:8080", namespace, "metrics", _preload_content=False, _request_timeout=10).data.decode()
         return {m[1]: float(m[2]) for m in re.finditer(r"^(ray_finetune_\w+\{[^}]*\}) (\S+)$", text, re.M)}
 
     def wait_for_job_end(self, namespace: str, timeout_s: float = 900, watch=None) -> dict:
@@ -187,7 +187,7 @@ def finished(node) -> Finished:
         (rayjob,) = node.ray("rayjobs", namespace)
         annotated.append({k: v for k, v in (rayjob["metadata"].get("annotations") or {}).items() if k.startswith(ANNOTATION)})
         for head in node.pods(namespace, "ray.io/node-type=head"):
-            with contextlib.suppress(client.ApiException):  # the head's agent not serving yet
+            with contextlib.suppress(Exception):  # the head or its agent not serving (yet): the next look
                 scraped.append(node.scrape(namespace, head.metadata.name))
 
     status = node.wait_for_job_end(namespace, watch=watch)

@@ -107,9 +107,7 @@ class Progress:
         pct = lambda v: None if v is None else f"{v:.1%}"  # noqa: E731
         num = lambda v: None if v is None else f"{v:.4g}"  # noqa: E731
         eta = self.eta_s() if self.state == "running" else None
-        task = None
-        if self.task is not None:
-            task = f"{self.task} {pct(self.task_now)}" + (f" (from {pct(self.task_first)})" if self.task_first is not None else "")
+        task = None if self.task is None else f"{self.task} {pct(self.task_now)} (from {pct(self.task_first)})"
         values = {
             "state": self.state,
             "step": None if self.step is None else f"{self.step}/{self.max_steps}",
@@ -147,8 +145,8 @@ def story(row: dict, record: dict | None) -> list[tuple[str, str, str]]:
         events.append(("Normal", "Resumed", f"from step {step} ({row.get('checkpoint')}) after {why}"))
         return events
     if kind == "checkpoint":
-        return [("Normal", "CheckpointSaved", f"step {step} complete in {row.get('dir')} (write {row.get('write_s', 0):.1f} s, "
-                                              f"training held {row.get('blocking_s') or 0:.1f} s)")]
+        return [("Normal", "CheckpointSaved", f"step {step} complete in {row.get('dir')} (write "
+                                              f"{row.get('write_s') or 0:.1f} s, training held {row.get('blocking_s') or 0:.1f} s)")]
     if kind == "eval":
         return [("Normal", "Evaluated", f"step {step}: held-out loss {row['eval_loss']:.4f} "
                                         f"(perplexity {row.get('eval_ppl', 0):.4g})")]

@@ -29,7 +29,8 @@ def run(args: argparse.Namespace, started_at: float, imported_at: float) -> int:
 
 
 def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: contextlib.ExitStack) -> int:
-    cfg = recordable = follower = None  # the run directory, once its lease is held: a refusal from there on is recorded
+    # `recordable`: the run directory, once its lease is held: a refusal from there on is recorded (and told).
+    cfg = recordable = follower = None
     try:
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
