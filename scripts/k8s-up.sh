@@ -140,8 +140,10 @@ cmd_monitoring_crds() {  # prints the directory holding monitoring.coreos.com_po
   local dir=$CACHE/crds/prometheus-operator-$PROMETHEUS_OPERATOR file=monitoring.coreos.com_podmonitors.yaml
   if [[ ! -f $dir/$file ]]; then
     command -v go >/dev/null || { log "go is required to fetch the prometheus-operator CRDs"; exit 1; }
-    local info module sum
-    info=$(cd "$(mktemp -d)" && go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR")
+    local info module sum scratch
+    scratch=$(mktemp -d)  # outside any module: the version and hash are the pins
+    info=$(cd "$scratch" && go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR")
+    rmdir "$scratch"
     module=$(sed -n 's/^\t"Dir": "\(.*\)",$/\1/p' <<< "$info")
     sum=$(sed -n 's/^\t"Sum": "\(.*\)",$/\1/p' <<< "$info")
     [[ $sum == "$PROMETHEUS_OPERATOR_SUM" ]] ||
