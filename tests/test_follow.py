@@ -150,7 +150,11 @@ def test_a_resumed_attempt_tells_the_class_of_the_failure_it_resumes_from(api, t
         api["events"].clear()
         (run_dir).mkdir(parents=True, exist_ok=True)
         (run_dir / "run.json").write_text(json.dumps({"status": "running", "previous_attempts": [
-            {"started_at": started, "status": "failed" if previous else "interrupted", "error": previous, "steps": 6}]}))
+            {"started_at": started, "ended_at": "1970-01-01T00:16:55+00:00", "status": "failed" if previous else
+             "interrupted", "error": previous, "steps": 6},
+            # An attempt after the resumed one, in the newest record when the follower reads it: not why it resumed.
+            {"started_at": "1970-01-01T00:17:00+00:00", "ended_at": "1970-01-01T00:17:30+00:00", "status": "failed",
+             "error": failures.error("model", "loss_spike", "spike")}]}))
         write_metrics(run_dir, [{"kind": "start", "time": 1020.0, "start_step": 3},
                                 {"kind": "resume", "time": 1020.5, "step": 3, "checkpoint": f"{run_dir}/checkpoint_000003"}])
         follower = follow.Follower(str(run_dir), "exp1", 10, since, reporter(api))

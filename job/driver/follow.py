@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -42,6 +43,14 @@ DRIVER_LOG = "driver.log"
 def _iso(at: float, micro: bool = False) -> str:
     text = _dt.datetime.fromtimestamp(at, _dt.timezone.utc).isoformat(timespec="microseconds" if micro else "seconds")
     return text.replace("+00:00", "Z")
+
+
+def _epoch(iso: str | None) -> float:
+    """An ISO time as epoch seconds; an unknown one as long ago."""
+    try:
+        return _dt.datetime.fromisoformat(iso).timestamp()
+    except (TypeError, ValueError):
+        return -math.inf
 
 
 def _duration(seconds: float) -> str:
@@ -132,7 +141,9 @@ def story(row: dict, record: dict | None) -> list[tuple[str, str, str]]:
                                       f"{row.get('params', 0) / 1e6:.1f}M parameters ({row.get('method')})")]
     if kind == "resume":
         events, why = [], "a re-run of the same run name"
-        previous = ((record or {}).get("previous_attempts") or [None])[-1]
+        attempts = (record or {}).get("previous_attempts") or []  # the newest record's: later ones may have ended
+        ended = [a for a in attempts if _epoch(a.get("ended_at")) <= row.get("time", math.inf)]
+        previous = (ended or attempts or [None])[-1]
         if previous:
             err = previous.get("error")
             if previous.get("status") == "interrupted" and not err:  # its process died without a word
