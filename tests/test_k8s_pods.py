@@ -221,22 +221,31 @@ def test_a_deleted_worker_pod_is_survived_by_resuming(node, finished):
     assert record["extra"]["resumed_from"]["step"] == killed["step"], record["extra"]
 
 
-def test_the_rayjob_tells_the_runs_progress_and_story_and_prometheus_sees_its_numbers(node, finished):
-    """docs/chart.md "Watching a run": during the run the RayJob's annotations advance with the step and the head's
-    metrics port has the run's gauges, labelled with its name, the step advancing; after it, the driver's Events on
-    the RayJob tell its story in order: started, checkpoints, evaluations, each failure its class as the reason
-    (the deleted worker's preemption, the killed rank's lost worker) followed by the resume, the export, success."""
+def test_the_rayjobs_annotations_follow_the_run(node, finished):
+    """docs/chart.md "Watching a run": during the run the RayJob's annotations advance with the step; at its end
+    they say it succeeded at the last step, with its held-out loss and run directory."""
     steps = [int(a[ANNOTATION + "step"].split("/")[0]) for a in finished.annotated if ANNOTATION + "step" in a]
     assert len(set(steps)) >= 2 and max(steps) > steps[0], finished.annotated  # (a resume goes back a little)
     (rayjob,) = node.ray("rayjobs", finished.namespace)
     notes = rayjob["metadata"]["annotations"]
     assert notes[ANNOTATION + "state"] == "succeeded" and notes[ANNOTATION + "step"] == f"{STEPS}/{STEPS}", notes
     assert notes[ANNOTATION + "run-dir"] == f"/mnt/runs/{finished.release}" and ANNOTATION + "eval-loss" in notes
+
+
+def test_the_head_pods_metrics_port_has_the_runs_numbers(node, finished):
+    """The run's gauges, read during the run through the API server's proxy from the head's metrics port (where the
+    PodMonitor points Prometheus): labelled with the run's name, the step advancing, the phases' times there."""
     scraped = [v for s in finished.scraped for k, v in s.items()
                if k.startswith("ray_finetune_step{") and f'run="{finished.release}"' in k]
     assert len(set(scraped)) >= 2 and max(scraped) > scraped[0], finished.scraped[-3:]
     assert any(k.startswith("ray_finetune_phase_seconds{") for s in finished.scraped for k in s)
 
+
+def test_the_rayjobs_events_tell_the_runs_story_in_order(node, finished):
+    """After the run, the driver's Events on the RayJob (`kubectl describe rayjob`) in order: started, checkpoints,
+    evaluations, each failure with its class as the reason (the deleted worker's preemption, the killed rank's lost
+    worker) followed by the resume, the export, success."""
+    (rayjob,) = node.ray("rayjobs", finished.namespace)
     story = node.story(finished.namespace, rayjob)
     reasons = [reason for _, reason, _ in story]
     errors = [a["error"] for a in node.record(finished.release)["previous_attempts"]]
