@@ -11,6 +11,7 @@
 #        scripts/k8s-up.sh down [--real-node]    stop what `up` started (pid files in the state dir) and clean up
 #        scripts/k8s-up.sh import <archive>...   load OCI image archives into the real node's containerd
 #        scripts/k8s-up.sh env [--real-node]     print `export KUBECONFIG=...`
+#        scripts/k8s-up.sh monitoring-crds       fetch the PodMonitor CRD (prometheus-operator) into the cache; prints its dir
 #
 # --real-node: instead of kwok's simulated nodes, one real node (containerd, runc, the CNI bridge, kubelet,
 # kube-proxy, CoreDNS, the NetworkPolicy controller) in a network namespace of its own, with the control plane
@@ -129,6 +130,28 @@ cmd_build() {
     exec {lock}>&-
   fi
   du -sh "$BIN" >&2
+}
+
+# The prometheus-operator CRD of the PodMonitor that `monitoring.podMonitor` renders: from the operator's module on
+# the Go module proxy (example/prometheus-operator-crd/ in it), pinned by version and module hash, into the cache.
+PROMETHEUS_OPERATOR=v0.85.0
+PROMETHEUS_OPERATOR_SUM=h1:M5xLCLEoaW2IJfnuCwFzzpL+jSVQu3KGT84Pye+fW8s=
+cmd_monitoring_crds() {  # prints the directory holding monitoring.coreos.com_podmonitors.yaml
+  local dir=$CACHE/crds/prometheus-operator-$PROMETHEUS_OPERATOR file=monitoring.coreos.com_podmonitors.yaml
+  if [[ ! -f $dir/$file ]]; then
+    command -v go >/dev/null || { log "go is required to fetch the prometheus-operator CRDs"; exit 1; }
+    local info module sum scratch
+    scratch=$(mktemp -d)  # outside any module: the version and hash are the pins
+    info=$(cd "$scratch" && go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR")
+    rmdir "$scratch"
+    module=$(sed -n 's/^\t"Dir": "\(.*\)",$/\1/p' <<< "$info")
+    sum=$(sed -n 's/^\t"Sum": "\(.*\)",$/\1/p' <<< "$info")
+    [[ $sum == "$PROMETHEUS_OPERATOR_SUM" ]] ||
+      { log "prometheus-operator $PROMETHEUS_OPERATOR: module hash '$sum', expected $PROMETHEUS_OPERATOR_SUM"; exit 1; }
+    mkdir -p "$dir"
+    cp "$module/example/prometheus-operator-crd/$file" "$dir/$file.tmp" && mv "$dir/$file.tmp" "$dir/$file"
+  fi
+  echo "$dir"
 }
 
 crd_dir() {
@@ -279,13 +302,15 @@ start_kwok() {
 install_crds() {
   local crds; crds=$(crd_dir)
   log "installing KubeRay CRDs from $crds"
-  for f in "$crds"/ray.io_*.yaml; do
+  local monitoring; monitoring=$(cmd_monitoring_crds)
+  for f in "$crds"/ray.io_*.yaml "$monitoring"/*.yaml; do
     local code
     code=$(api -o /dev/null -w '%{http_code}' -X POST -H 'Content-Type: application/yaml' --data-binary "@$f" \
       "https://127.0.0.1:$PORT/apis/apiextensions.k8s.io/v1/customresourcedefinitions")
     case $code in 201|409) ;; *) log "CRD $f: HTTP $code"; exit 1;; esac
   done
   wait_for kube-apiserver 60 api -f "https://127.0.0.1:$PORT/apis/ray.io/v1/rayjobs"
+  wait_for kube-apiserver 60 api -f "https://127.0.0.1:$PORT/apis/monitoring.coreos.com/v1/podmonitors"
 }
 
 stop() {  # stop <name>...: what `start` started, in that order
@@ -327,5 +352,6 @@ case ${1:-} in
   down) cmd_down ;;
   import) shift; import_images "$@" ;;
   env) echo "export KUBECONFIG=$STATE/kubeconfig" ;;
-  *) echo "usage: $0 build|up|down|import|env [--real-node]" >&2; exit 2 ;;
+  monitoring-crds) cmd_monitoring_crds ;;
+  *) echo "usage: $0 build|up|down|import|env|monitoring-crds [--real-node]" >&2; exit 2 ;;
 esac

@@ -315,6 +315,10 @@ anything else the job would reject (ray-finetune.checkRun).
   valueFrom:
     fieldRef:
       fieldPath: metadata.namespace
+{{- if .Values.monitoring.rayJob }}
+- name: JOB_RAYJOB  # the RayJob the driver keeps annotated and tells Events on (job/driver/follow.py)
+  value: {{ include "ray-finetune.rayJobName" . }}
+{{- end }}
 {{- with .Values.huggingface.existingSecret }}
 - name: HF_TOKEN
   valueFrom:

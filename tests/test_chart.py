@@ -36,6 +36,7 @@ from job import __version__ as job_version
 from job import config as job_config
 from job import rules
 from job.config import ConfigError, json_schema, load_dict
+from job.driver import follow
 
 _spec = importlib.util.spec_from_file_location("gen_values_schema", REPO / "scripts" / "gen-values-schema.py")
 GENERATOR = importlib.util.module_from_spec(_spec)
@@ -59,6 +60,10 @@ COMBINATIONS = {
     "deletion rules": ["-f", "tests/fixtures/deletion-rules.yaml"],
     "HTTPMode": ["--set", "rayJob.submissionMode=HTTPMode"],
     "SidecarMode": ["--set", "rayJob.submissionMode=SidecarMode"],
+    "PodMonitor and Grafana dashboard": ["--set", "monitoring.podMonitor.enabled=true",
+                                         "--set", "monitoring.grafanaDashboard.enabled=true",
+                                         "--set", "monitoring.podMonitor.labels.release=prometheus"],
+    "no RayJob reporting": ["--set", "monitoring.rayJob=false"],
     **{f"ci/{p.name}": ["-f", f"ci/{p.name}"] for p in sorted((REPO / "ci").glob("*-values.yaml"))},
 }
 INVALID_VALUES = sorted((REPO / "tests" / "fixtures" / "invalid-values").glob("*.yaml"))
@@ -817,13 +822,57 @@ def test_storage_modes():
 
 
 def test_role_is_least_privilege():
-    objects = render()
-    rules = one(objects, "Role")["rules"]
-    assert rules == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-        {"apiGroups": [""], "resources": ["pods"], "resourceNames": ["exp1-ray-finetune-test"], "verbs": ["patch"]},
-        {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [one(objects, "RayJob")["metadata"]["name"]], "verbs": ["get"]},
+    def rules(*args: str) -> tuple[list, str]:
+        objects = render(*args)
+        return one(objects, "Role")["rules"], one(objects, "RayJob")["metadata"]["name"]
+
+    def base(rayjob: str) -> list:
+        return [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["pods"], "resourceNames": ["exp1-ray-finetune-test"], "verbs": ["patch"]},
+            {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [rayjob], "verbs": ["get"]},
+        ]
+
+    # monitoring.rayJob (default): annotations on this release's RayJob alone, Events in its namespace.
+    role, rayjob = rules()
+    assert role == base(rayjob) + [
+        {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [rayjob], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
+    role, rayjob = rules("--set", "monitoring.rayJob=false")
+    assert role == base(rayjob)
+
+
+def test_the_driver_is_told_its_rayjob_only_with_monitoring_rayjob():
+    for args, told in (((), True), (("--set", "monitoring.rayJob=false"), False)):
+        objects = render(*args)
+        rayjob = one(objects, "RayJob")["metadata"]["name"]
+        for _, group in ray_pod_specs(objects):
+            env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+            assert (env.get("JOB_RAYJOB") == rayjob) if told else "JOB_RAYJOB" not in env
+
+
+def test_pod_monitor_scrapes_every_ray_pod_of_the_release_and_the_dashboard_shows_every_run_metric():
+    """The PodMonitor selects the release's Ray pods (head and workers, not the submitter) on KubeRay's `metrics`
+    port; the dashboard ConfigMap carries the sidecar's label and plots each gauge the driver exports, and no
+    other (job/driver/follow.py RunMetrics)."""
+    objects = render("--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.grafanaDashboard.enabled=true",
+                     "--set", "monitoring.podMonitor.labels.release=prometheus")
+    monitor = one(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "ray-finetune",
+                                                          "app.kubernetes.io/instance": "exp1", "ray.io/is-ray-node": "yes"}
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    for _, group in ray_pod_specs(objects):
+        assert monitor["spec"]["selector"]["matchLabels"].items() - {"ray.io/is-ray-node": "yes"}.items() <= \
+            group["template"]["metadata"]["labels"].items()
+    (dashboard,) = [o for o in by_kind(objects, "ConfigMap") if o["metadata"]["name"] == "exp1-ray-finetune-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(dashboard["data"]["ray-finetune.json"])
+    plotted = {m for p in board["panels"] for t in p["targets"] for m in re.findall(r"ray_(finetune_\w+)\{", t["expr"])}
+    exported = {f"finetune_{name}" for name, _ in follow.GAUGES} | {"finetune_task_score", "finetune_phase_seconds"}
+    assert plotted == exported
+    assert not by_kind(render(), "PodMonitor") and len(by_kind(render(), "ConfigMap")) == 2  # off by default
 
 
 def notes(*args: str) -> str:
@@ -839,7 +888,8 @@ def test_notes_give_commands_for_this_release():
     for command in (f"kubectl -n experiments get rayjob {rayjob} -w", f"kubectl -n experiments logs -f job/{rayjob}",
                     "helm test exp1 -n experiments --logs", "/mnt/runs/exp1/metrics.jsonl",
                     "kubectl -n experiments cp exp1-copy:/mnt/runs/exp1 ./exp1", "python -m job report ./exp1",
-                    "-o jsonpath='{.data.auth_token}' | base64 -d"):
+                    "-o jsonpath='{.data.auth_token}' | base64 -d", f"kubectl -n experiments describe rayjob {rayjob}",
+                    "/mnt/runs/exp1/logs/<driver start>/driver.log", 'ray_finetune_*{run="exp1"}'):
         assert command in text
     assert "-c ray-head -- python -m job runs /mnt/runs\n" in text  # the index, from the pod that mounts the claim
     on_s3 = notes("--set", "storage.uri=s3://b/p")

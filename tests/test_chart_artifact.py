@@ -33,8 +33,9 @@ JOB_BUDGET = OBJECT_LIMIT * 3 // 4
 RELEASE_BUDGET = OBJECT_LIMIT * 7 // 8
 """What the release Secret may use of it: a job at its own budget fits, with room for values and templates."""
 PACKAGE_TOP_LEVEL = {"Chart.yaml", "Chart.lock", "values.yaml", "values.schema.json", "README.md", ".helmignore",
-                     "templates", "charts", "values", "job"}
-"""Everything a package may hold at its top level: the chart, its profiles, the library subchart, the job."""
+                     "templates", "charts", "values", "job", "dashboards"}
+"""Everything a package may hold at its top level: the chart, its profiles, the library subchart, the job, the
+Grafana dashboard (monitoring.grafanaDashboard)."""
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from job.common import checkpoints, sources
 from job.driver import launch
 from job.records import failures, run_record
 from job.records import lease as lease_lib
+from job.worker.model.export import ExportError
 
 
 def validate(record):
@@ -95,6 +96,7 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
      ("unknown", "exception", "CheckpointError")),
     (RuntimeError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!"), ("unknown", "exception", "RuntimeError")),
     (ValueError("boom"), ("unknown", "exception", "ValueError")),
+    (_wrapped(ExportError("export e failed its acceptance check: loss 9 vs 3")), ("model", "export_refused", "ExportError")),
 ])
 def test_classify_from_the_exception_chain(exc, expected):
     err = failures.describe(exc, step=3, rank=1)
@@ -288,6 +290,10 @@ def test_lost_rank0_ends_failed_worker_lost(tmp_path):
     assert verdict[1].startswith("cause: ") and f"run directory: {run_dir} (run.json)" in verdict
     assert verdict[-1] == ("next: rerun; it resumes from its newest complete checkpoint, if any: "
                            f"python -m job --config {cmd[-1]}"), verdict
+    # The driver's output, verdict included, is kept beside the workers' tracebacks, where the record points.
+    assert f"logs: {record['logs']}/ (driver.log)" in verdict and record["logs"].startswith(f"{run_dir}/logs/")
+    kept = open(os.path.join(record["logs"], "driver.log")).read()
+    assert "# resolved config" in kept and kept.rstrip().endswith(verdict[-1]), kept[-2000:]
 
 
 def _wait_for(predicate, timeout_s: float, what: str):

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,6 +33,12 @@ PROFILE = ("-f", str(REPO / "ci" / "real-pods-values.yaml"), "-f", str(REPO / "c
 IMAGE_REF = "localhost/ray-finetune-test:image-set"
 # The main release's steps: enough that a worker Pod deleted after its first checkpoint dies mid-run.
 STEPS = 400
+# The main release's second failure, after the deleted worker's: rank 1 killed at this step (a lost worker).
+KILLED_AT = 200
+# What operators watch (docs/chart.md "Watching a run"), asked of the main release: its RayJob's annotations and
+# Events, the PodMonitor (the node's API server has prometheus-operator's CRD) and the Grafana dashboard.
+WATCHED = ("--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.grafanaDashboard.enabled=true")
+ANNOTATION = "ray-finetune/"
 
 pytestmark = pytest.mark.skipif(os.environ.get("RAY_FINETUNE_REAL_PODS") != "1",
                                 reason="real Pods need root: set RAY_FINETUNE_REAL_PODS=1 (scripts/test.sh does as root)")
@@ -99,9 +107,29 @@ class Node(ControlPlane):
                            timeout_s=600, interval_s=1)
         return namespace, saved[0]
 
-    def wait_for_job_end(self, namespace: str, timeout_s: float = 900) -> dict:
+    def story(self, namespace: str, rayjob: dict) -> list[tuple[str, str, str]]:
+        """The driver's Events on `rayjob` (what `kubectl describe rayjob` lists), in the order they happened:
+        (type, reason, message)."""
+        events = [e for e in self.core.list_namespaced_event(namespace).items
+                  if e.involved_object.uid == rayjob["metadata"]["uid"] and e.reporting_component == "ray-finetune-driver"]
+        return [(e.type, e.reason, e.message) for e in sorted(events, key=lambda e: e.event_time)]
+
+    def scrape(self, namespace: str, pod: str) -> dict[str, float]:
+        """The run's gauges on a Ray pod's metrics port (KubeRay's `metrics`, 8080), read through the API server's
+        proxy: `{series with its labels: value}` of the `ray_finetune_*` lines."""
+        text = self.core.connect_get_namespaced_pod_proxy_with_path(
+            f"{pod}:8080", namespace, "metrics", _preload_content=False, _request_timeout=10).data.decode()
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(ray_finetune_\w+\{[^}]*\}) (\S+)$", text, re.M)}
+
+    def wait_for_job_end(self, namespace: str, timeout_s: float = 900, watch=None) -> dict:
+        """The RayJob's status once it ended; `watch()` is called at each look before (what a run shows live)."""
+        def look() -> dict:
+            if watch:
+                watch()
+            return self.job_status(namespace)
+
         try:
-            return wait_until("the RayJob to end", lambda: self.job_status(namespace),
+            return wait_until("the RayJob to end", look,
                               done=lambda s: s.get("jobDeploymentStatus") in ("Complete", "Failed"),
                               timeout_s=timeout_s, interval_s=3)
         except pytest.fail.Exception:
@@ -137,22 +165,36 @@ class Finished(NamedTuple):
     victim: str  # the worker Pod deleted mid-run
     saved: dict  # the first complete checkpoint, before which the victim was not deleted
     workers: set[str]  # the worker Pods Running at the end
+    annotated: list[dict]  # the RayJob's annotations, as seen during the run
+    scraped: list[dict]  # the head Pod's ray_finetune_* series, as scraped during the run
 
 
 @pytest.fixture(scope="module")
 def finished(node) -> Finished:
     """One release of the profile run to its end, a worker Pod deleted (`kubectl delete pod`) once the run has a
-    complete checkpoint: enough steps that the run cannot end before, so one cluster start serves the install, the
-    worker's loss, `helm test`, the upgrade and the uninstall."""
+    complete checkpoint, and rank 1 killed at step `KILLED_AT` of the resumed attempt (`run.debug`; a third
+    attempt resumes it: `scaling.max_failures` 2): enough steps that the run cannot end before, so one cluster
+    start serves the install, the worker's loss, what the operators watch, `helm test`, the upgrade and the
+    uninstall. While it runs, its RayJob's annotations and the head's metrics port are read at every look."""
     release = "run"
-    namespace, saved = node.install_long_run(release, STEPS, 10)
+    namespace, saved = node.install_long_run(release, STEPS, 10, *WATCHED, "--set", "run.scaling.max_failures=2",
+                                             "--set", f"run.debug.fail_at_step={KILLED_AT}", "--set", "run.debug.fail_rank=1")
     victim = node.pods(namespace, "ray.io/node-type=worker")[0].metadata.name
     node.core.delete_namespaced_pod(victim, namespace)
-    status = node.wait_for_job_end(namespace)
+    annotated, scraped = [], []
+
+    def watch() -> None:
+        (rayjob,) = node.ray("rayjobs", namespace)
+        annotated.append({k: v for k, v in (rayjob["metadata"].get("annotations") or {}).items() if k.startswith(ANNOTATION)})
+        for head in node.pods(namespace, "ray.io/node-type=head"):
+            with contextlib.suppress(Exception):  # the head or its agent not serving (yet): the next look
+                scraped.append(node.scrape(namespace, head.metadata.name))
+
+    status = node.wait_for_job_end(namespace, watch=watch)
     assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
     workers = {p.metadata.name for p in node.pods(namespace, "ray.io/node-type=worker")
                if p.status.phase == "Running" and not p.metadata.deletion_timestamp}
-    return Finished(release, namespace, victim, saved, workers)
+    return Finished(release, namespace, victim, saved, workers, annotated, scraped)
 
 
 def test_install_runs_the_job_to_success_across_two_worker_pods(node, finished):
@@ -174,9 +216,47 @@ def test_a_deleted_worker_pod_is_survived_by_resuming(node, finished):
     the record's workers are the restarted group's."""
     assert finished.victim not in finished.workers, "the deleted worker Pod replaced"
     record = node.record(finished.release)
-    (resume,) = node.metrics(finished.release, "resume")
-    assert resume["step"] >= finished.saved["step"], (finished.saved, resume)
-    assert record["extra"]["resumed_from"]["step"] == resume["step"], record["extra"]
+    resume, killed = node.metrics(finished.release, "resume")  # after the deleted Pod, after the killed rank
+    assert finished.saved["step"] <= resume["step"] < KILLED_AT <= killed["step"], (finished.saved, resume, killed)
+    assert record["extra"]["resumed_from"]["step"] == killed["step"], record["extra"]
+
+
+def test_the_rayjobs_annotations_follow_the_run(node, finished):
+    """docs/chart.md "Watching a run": during the run the RayJob's annotations advance with the step; at its end
+    they say it succeeded at the last step, with its held-out loss and run directory."""
+    steps = [int(a[ANNOTATION + "step"].split("/")[0]) for a in finished.annotated if ANNOTATION + "step" in a]
+    assert len(set(steps)) >= 2 and max(steps) > steps[0], finished.annotated  # (a resume goes back a little)
+    (rayjob,) = node.ray("rayjobs", finished.namespace)
+    notes = rayjob["metadata"]["annotations"]
+    assert notes[ANNOTATION + "state"] == "succeeded" and notes[ANNOTATION + "step"] == f"{STEPS}/{STEPS}", notes
+    assert notes[ANNOTATION + "run-dir"] == f"/mnt/runs/{finished.release}" and ANNOTATION + "eval-loss" in notes
+
+
+def test_the_head_pods_metrics_port_has_the_runs_numbers(node, finished):
+    """The run's gauges, read during the run through the API server's proxy from the head's metrics port (where the
+    PodMonitor points Prometheus): labelled with the run's name, the step advancing, the phases' times there."""
+    scraped = [v for s in finished.scraped for k, v in s.items()
+               if k.startswith("ray_finetune_step{") and f'run="{finished.release}"' in k]
+    assert len(set(scraped)) >= 2 and max(scraped) > scraped[0], finished.scraped[-3:]
+    assert any(k.startswith("ray_finetune_phase_seconds{") for s in finished.scraped for k in s)
+
+
+def test_the_rayjobs_events_tell_the_runs_story_in_order(node, finished):
+    """After the run, the driver's Events on the RayJob (`kubectl describe rayjob`) in order: started, checkpoints,
+    evaluations, each failure with its class as the reason (the deleted worker's preemption, the killed rank's lost
+    worker) followed by the resume, the export, success."""
+    (rayjob,) = node.ray("rayjobs", finished.namespace)
+    story = node.story(finished.namespace, rayjob)
+    reasons = [reason for _, reason, _ in story]
+    errors = [a["error"] for a in node.record(finished.release)["previous_attempts"]]
+    assert [e["reason"] for e in errors] == ["preempted", "worker_lost"], errors
+    assert reasons[0] == "Started" and reasons[-1] == "Succeeded", story
+    first, last = reasons.index("Resumed"), len(reasons) - 1 - reasons[::-1].index("Resumed")
+    assert (reasons[first - 1], reasons[last - 1]) == ("Preempted", "WorkerLost") and reasons.count("Resumed") == 2
+    assert reasons.index("CheckpointSaved") < first < last < reasons.index("ExportAccepted"), story
+    assert reasons.count("Evaluated") == 2 and reasons.index("Evaluated") < first, story  # step 0 and the last
+    assert [kind for kind, reason, _ in story if reason in ("Preempted", "WorkerLost")] == ["Warning", "Warning"]
+    assert f"worker_lost at step {errors[1]['step']}" in story[reasons.index("WorkerLost")][2], story
 
 
 def test_helm_test_passes_against_the_finished_run(node, finished):
@@ -206,29 +286,53 @@ def test_upgrade_of_a_finished_run_replaces_the_rayjob_which_finds_the_run_compl
     assert node.record(release) == record_before, "the finished run's record untouched"
 
 
-def test_uninstall_leaves_no_pod_container_or_job(node, finished):
+def test_uninstall_leaves_no_pod_container_or_job(node, finished, tmp_path):
+    """Nothing of the release is left but its claim, where the run is, with the logs of every attempt: the
+    driver's output (what the submitter showed) beside the workers' tracebacks, which `report` reads."""
     release, namespace = finished.release, finished.namespace
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
     wait_until(f"nothing of {release} left in {namespace}", lambda: node.leftovers(namespace),
                done=lambda left: not left, timeout_s=120)
     wait_until("no container left on the node", node.containers, done=lambda ids: not ids, timeout_s=150, interval_s=3)
     assert node.core.list_namespaced_persistent_volume_claim(namespace).items, "the runs claim is kept"
-    assert (node.run_dir(release) / "run.json").exists(), "and the run on it"
+    run_dir = node.run_dir(release)
+    record = json.loads((run_dir / "run.json").read_text())
+    logs = run_dir / Path(record["logs"]).relative_to(f"/mnt/runs/{release}")
+    driver = (logs / "driver.log").read_text()
+    assert "# resolved config" in driver and f"run directory: /mnt/runs/{release}" in driver, driver[-2000:]
+    assert "(RayTrainWorker pid=" in driver, "the workers' output, as the driver forwarded it"
+    assert "Connection closed by peer" in (logs / "rank0.log").read_text(), "rank 0's traceback of the killed rank 1"
+    upgraded = sorted(p for p in (run_dir / "logs").iterdir() if p != logs)  # the upgrade's driver
+    assert upgraded and "is already complete" in (upgraded[-1] / "driver.log").read_text()
+    report = subprocess.run([sys.executable, "-m", "job", "report", str(run_dir), "--no-plots", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    text = (tmp_path / "report.md").read_text()
+    assert f"- `{logs.name}/`: driver.log (" in text and "rank0.log (" in text
+    assert f"The end of `{upgraded[-1].name}/driver.log`" in text and "Nothing to train" in text
 
 
 def test_warm_cluster_runs_two_jobs_one_after_the_other_on_the_same_head(node):
     """`rayCluster.create`: the release's RayCluster outlives its jobs. The chart's RayJob runs first; a second
     RayJob, the chart's with another name and run (`--set name=...` on the entrypoint), runs on the same cluster
-    after it, as another team's job would: both SUCCEEDED, on the same head Pod, and neither deletes the cluster."""
+    after it, as another team's job would: both SUCCEEDED, on the same head Pod, and neither deletes the cluster.
+    The first run's disk fills in its save at step 6 (`run.debug`): its RayJob's Events tell it, `DiskFull` the
+    reason, then the resume; the second job's driver leaves the chart's RayJob alone (it is not its submission)."""
     release, second_run = "warm", "warm-second"
-    namespace = node.install(release, *PROFILE, "--set", "rayCluster.create=true")
+    namespace = node.install(release, *PROFILE, "--set", "rayCluster.create=true",
+                             "--set", "run.debug.fail_at_step=6", "--set", "run.debug.fail_mode=disk_full")
     (first,) = node.ray("rayjobs", namespace)
     second = {"apiVersion": "ray.io/v1", "kind": "RayJob",
               "metadata": {"name": f"{first['metadata']['name']}-2", "labels": first["metadata"]["labels"]},
-              "spec": {**first["spec"], "entrypoint": f"{first['spec']['entrypoint']} --set name={second_run}"}}
+              "spec": {**first["spec"], "entrypoint": f"{first['spec']['entrypoint']} --set name={second_run} "
+                                                      "--set debug.fail_at_step=null"}}
     try:
         status = node.wait_for_job_end(namespace)
         assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+        first = node.custom.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", first["metadata"]["name"])
+        told = [(kind, reason) for kind, reason, _ in node.story(namespace, first)]
+        assert ("Warning", "DiskFull") in told and told[told.index(("Warning", "DiskFull")) + 1] == ("Normal", "Resumed")
+        assert told[-1] == ("Normal", "Succeeded") and told.count(("Normal", "Succeeded")) == 1, told
         (head,) = node.pods(namespace, "ray.io/node-type=head")
         node.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second)
         status = wait_until("the second RayJob to end", lambda: node.custom.get_namespaced_custom_object(
@@ -239,6 +343,7 @@ def test_warm_cluster_runs_two_jobs_one_after_the_other_on_the_same_head(node):
             "the second job ran on the first one's head"
         for run in (release, second_run):
             assert node.record(release, run)["status"] == "succeeded", run
+        assert [r for _, r, _ in node.story(namespace, first)].count("Started") == 1, "the second job told nothing"
     finally:  # a failure here must not leave the warm cluster holding the node's CPU for the tests after it
         with contextlib.suppress(client.ApiException):  # not created yet
             node.custom.delete_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", second["metadata"]["name"])

@@ -38,6 +38,28 @@ def test_timeline_splits_startup_by_the_driver_steps_and_counts_goodput_over_the
             in metrics.format_timeline(summary))
 
 
+def test_a_log_step_reports_goodput_so_far_with_the_running_loops_time_less_its_evaluations_and_saves(monkeypatch):
+    """What the driver exports while the run goes on (job/driver/follow.py): the loop's time counts as training
+    until its end splits off the warmup, less the evaluations and saves timed inside it."""
+    import torch
+
+    wall, clock = [100.0], [0.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: wall[0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    timeline = Timeline(90.0, torch.device("cpu"))  # 10 s of startup
+    with timeline.phase("eval"):  # step 0's evaluation, before the loop
+        clock[0] += 2.0
+    timeline.training_since = (clock[0], timeline.seconds["eval"])  # the loop starts (train.LoopClock.begin)
+    clock[0] += 5.0
+    with timeline.phase("checkpoint"):
+        clock[0] += 3.0
+    wall[0] = 100.0 + 10.0
+    assert timeline.so_far() == {"goodput": 0.25, "phases_s": {"startup": 10.0, "train": 5.0, "eval": 2.0,
+                                                              "checkpoint": 3.0}}
+    timeline.training_since = None  # the loop's end accounts its time itself
+    assert timeline.so_far()["goodput"] == 0.0
+
+
 def test_device_timeline_counts_overlap_once_and_finds_gaps():
     kernels = [  # (start µs, end µs, name): two streams overlap, then two idle gaps
         (0, 100, "gemm"),

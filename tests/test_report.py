@@ -96,6 +96,24 @@ def test_report_defaults_to_run_dir_and_handles_missing_inputs(tmp_path, monkeyp
     assert "has neither run.json nor metrics.jsonl" in capsys.readouterr().err
 
 
+def test_report_lists_each_attempts_logs_and_quotes_the_end_of_the_newest(tmp_path, monkeypatch):
+    """The driver's output and the workers' tracebacks, on the storage after the pods are gone (logs/<stamp>/)."""
+    run_dir = tmp_path / "runs" / "demo"
+    _fake_run(run_dir, monkeypatch)
+    first, last = run_dir / "logs" / "20261206T010000Z", run_dir / "logs" / "20261206T020000Z"
+    first.mkdir(parents=True)
+    last.mkdir(parents=True)
+    (first / "driver.log").write_text("resolved config\nrun failed: infrastructure/worker_lost\n")
+    (last / "driver.log").write_text("".join(f"line {i}\n" for i in range(40)) + "run directory: /runs/demo\n")
+    (last / "rank1.log").write_text("Traceback (most recent call last):\nOSError: [Errno 28] No space left on device\n")
+    assert report.main([str(run_dir), "--no-plots"]) == 0
+    text = (run_dir / "report.md").read_text()
+    assert "- `20261206T010000Z/`: driver.log (2 lines)" in text
+    assert "- `20261206T020000Z/`: driver.log (41 lines), rank1.log (2 lines)" in text
+    assert "The end of `20261206T020000Z/driver.log`:\n\n```\nline 26\n" in text and "run directory: /runs/demo\n```" in text
+    assert "line 25\n" not in text and "OSError: [Errno 28] No space left on device\n```" in text
+
+
 def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     _fake_run(run_dir, monkeypatch, with_record=False)

@@ -77,7 +77,7 @@ def storage(tmp_path, base_record):
               previous_attempts=[{"status": "interrupted"}])
     write_run(root, "gsm8k-b", base_record, started_at=_iso(3), ended_at=_iso(2), time=timing(0.25),
               status="failed", error=failures.error("infrastructure", "worker_lost", "lost", step=12),
-              metrics__steps=12, config__train__lr=3e-4)
+              metrics__steps=12, config__train__lr=3e-4, logs=f"{root}/gsm8k-b/logs/20261206T000000Z")
     write_run(root, "live", base_record, started_at=_iso(1), ended_at=None, status="running", metrics=None)
     heartbeat(root, "live", 0)
     write_run(root, "dead", base_record, started_at=_iso(2.5), ended_at=None, status="running", metrics=None)
@@ -104,7 +104,8 @@ def test_lists_every_run_with_its_columns(storage, capsys):
     assert [line.split()[0] for line in lines[1:5]] == ["gsm8k-a", "gsm8k-b", "dead", "live"]  # oldest start first
     a = lines[1].split()
     assert a[1] == "succeeded" and a[6:] == ["2", "250", "50.0%", "0.5667", "gsm8k", "53.5%", "0.3.0", DIGEST[:19], "-"]
-    assert lines[2].split()[1] == "failed" and lines[2].endswith("  infrastructure/worker_lost")
+    assert lines[2].split()[1] == "failed" and lines[2].endswith(
+        f"  infrastructure/worker_lost; logs {storage}/gsm8k-b/logs/20261206T000000Z")  # where the failure is told
     assert lines[3].split()[1] == "stale" and "driver heartbeat stale" in lines[3]
     assert lines[4].split()[1] == "running"
     assert lines[5] == f"4 of 4 runs under {storage} (1 running, 1 stale, 1 failed)"  # datasets/ is not a run
@@ -115,8 +116,9 @@ def test_lists_every_run_with_its_columns(storage, capsys):
     assert rows["gsm8k-a"] == {"name": "gsm8k-a", "path": f"{storage}/gsm8k-a", "status": "succeeded",
                                "started": _iso(5), "ended": _iso(4), "attempts": 2, "steps": 250, "goodput": 0.5,
                                "eval_loss": 0.5667, "task": "gsm8k", "task_score": 0.535, "chart": "0.3.0",
-                               "image": DIGEST, "failure": None, "reason": None}
+                               "image": DIGEST, "failure": None, "reason": None, "logs": None}
     assert rows["gsm8k-b"]["failure"] == "infrastructure/worker_lost"
+    assert rows["gsm8k-b"]["logs"] == f"{storage}/gsm8k-b/logs/20261206T000000Z"
     assert rows["dead"]["reason"].startswith("record running, driver heartbeat stale (last at ")
 
 

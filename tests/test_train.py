@@ -74,6 +74,10 @@ def test_synthetic_run_logs_throughput_and_mfu(tmp_path, ray_cluster):
         assert r["tokens_per_s"] == pytest.approx(2 * r["tokens_per_s_per_device"])
         assert r["mfu"] == pytest.approx(r["tokens_per_s_per_device"] * start["flops_per_token"] / 1e12)
         assert r["grad_norm"] > 0 and math.isfinite(r["loss"])
+        # The time so far, for the driver's metrics (job/driver/follow.py): the loop's time is training, less
+        # the phases timed in it, until its end splits off the warmup.
+        assert 0 < r["goodput"] < 1 and r["phases_s"]["startup"] > 0 and r["phases_s"]["train"] > 0, r
+    assert rows[1]["phases_s"]["train"] > rows[0]["phases_s"]["train"]
     assert metrics(run_dir, "eval") == []  # synthetic data has no held-out split
     # The profiled step: time by category, with the model's matmuls and attention found by name.
     [profile] = metrics(run_dir, "profile")

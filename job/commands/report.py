@@ -1,6 +1,6 @@
 """Run report: `python -m job report RUN_DIR [--out DIR] [--no-plots]`, or `report --storage STORAGE NAME`.
 
-From `run.json` and `metrics.jsonl` (local or `s3://`), writes `report.md` and, when the metrics have those series,
+From `run.json`, `metrics.jsonl` and the logs (local or `s3://`), writes `report.md` and, when the metrics have those series,
 `loss.png`, `throughput.png`, `mfu.png` into `--out` (default: a local run directory, else `./<run name>-report`).
 Plots need matplotlib, an optional extra imported only to draw them; without it report.md says so in one line
 (the same curves are in the run's TensorBoard files).
@@ -211,8 +211,8 @@ def time_table(time: dict | None) -> list[str]:
 
 
 def render_markdown(record: dict | None, summary: dict, plots: list[str], notes: list[str],
-                    metric_rows: list[dict] = ()) -> str:
-    """The text of report.md."""
+                    metric_rows: list[dict] = (), logs: dict[str, dict[str, str]] | None = None) -> str:
+    """The text of report.md; `logs` as `read_logs` gives them."""
     rec = record or {}
     name = rec.get("run_name") or "(no run.json)"
     lines = [f"# Run report: {name}", ""]
@@ -295,9 +295,40 @@ def render_markdown(record: dict | None, summary: dict, plots: list[str], notes:
         lines += ["## Outputs", ""] + [f"- {k}: {json.dumps(v, default=str)}" for k, v in outputs if v] + [""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
+    lines += logs_section(logs or {})
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+def read_logs(run_dir: str) -> dict[str, dict[str, str]]:
+    """Every attempt's logs (`failures.attempt_logs`): `{<driver start>: {driver.log / rank<r>.log: text}}`, oldest
+    attempt first; empty when the run has none or they cannot be read."""
+    try:
+        fs, path = storage.filesystem(storage.join(run_dir, failures.LOGS_DIR))
+        files = sorted(fs.find(path))
+        texts = fs.cat(files) if files else {}
+    except (OSError, ValueError):
+        return {}
+    logs: dict[str, dict[str, str]] = {}
+    for file in files:
+        stamp, name = file.rstrip("/").split("/")[-2:]
+        logs.setdefault(stamp, {})[name] = texts[file].decode("utf-8", "replace")
+    return logs
+
+
+def logs_section(logs: dict[str, dict[str, str]], tail: int = 15) -> list[str]:
+    """Markdown: each attempt's log files, and the end of the newest attempt's (the driver's last words, the
+    workers' tracebacks)."""
+    if not logs:
+        return []
+    lines = ["## Logs", "", f"In `{failures.LOGS_DIR}/` of the run directory, a folder per attempt (its driver's start):", ""]
+    lines += [f"- `{stamp}/`: " + ", ".join(f"{name} ({len(text.splitlines())} lines)" for name, text in files.items())
+              for stamp, files in logs.items()]
+    stamp, files = list(logs.items())[-1]
+    for name, text in files.items():
+        lines += ["", f"The end of `{stamp}/{name}`:", "", "```", *text.rstrip().splitlines()[-tail:], "```"]
+    return lines + [""]
 
 
 def write_report(run_dir: str, out: str, plots: bool = True) -> list[str]:
@@ -334,7 +365,7 @@ def write_report(run_dir: str, out: str, plots: bool = True) -> list[str]:
             notes.append(str(exc))
             print(f"report: {exc}", file=sys.stderr)
     with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
-        f.write(render_markdown(record, summary, drawn, notes, rows))
+        f.write(render_markdown(record, summary, drawn, notes, rows, read_logs(run_dir)))
     return ["report.md", *drawn]
 
 

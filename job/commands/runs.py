@@ -64,6 +64,8 @@ class RunRow:
     image: str | None = None
     failure: str | None = None
     reason: str | None = None
+    logs: str | None = None
+    """The newest attempt's logs (the driver's output, the workers' tracebacks): run.json's `logs`."""
     record: dict | None = dataclasses.field(default=None, repr=False)
 
     def row(self) -> dict[str, Any]:
@@ -127,7 +129,7 @@ def from_record(name: str, path: str, record: dict) -> RunRow:
         eval_loss=_get(record, "metrics", "final_eval_loss"), task=task, task_score=score,
         chart=_known(_get(record, "chart", "version")), image=_known(_get(record, "image", "digest")),
         failure=(f"{error.get('class')}/{error.get('reason')}" if isinstance(error, dict) else error) or None,
-        reason=later_attempts_line(record), record=record)
+        reason=later_attempts_line(record), logs=record.get("logs"), record=record)
 
 
 def _judge_running(run: RunRow) -> None:
@@ -381,12 +383,12 @@ def _cells(run: RunRow) -> list[str]:
     image = run.image or "-"
     if image.startswith("sha256:"):
         image = image[:19]  # sha256: and 12 hex digits, as docker shows it
+    failure = "; ".join(filter(None, (run.failure, run.reason, run.failure and run.logs and f"logs {run.logs}")))
     return [run.name, run.status, _time(run.started), _time(run.ended) if run.ended else "-",
             "-" if run.attempts is None else str(run.attempts), "-" if run.steps is None else str(run.steps),
             pct(run.goodput), f"{run.eval_loss:.4g}" if isinstance(run.eval_loss, (int, float)) else "-",
             f"{run.task} {pct(run.task_score)}" if run.task else "-", run.chart or "-", image,
-            run.reason if run.status in ("stale", "starting", "unreadable")
-            else "; ".join(filter(None, (run.failure, run.reason))) or "-"]
+            run.reason if run.status in ("stale", "starting", "unreadable") else failure or "-"]
 
 
 HEADER = ["NAME", "STATUS", "STARTED (UTC)", "ENDED (UTC)", "ATTEMPTS", "STEPS", "GOODPUT", "EVAL LOSS", "TASK",

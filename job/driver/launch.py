@@ -391,7 +391,8 @@ def recorded_ending(run_dir: str) -> str:
 def attempt(cfg: config_lib.RunConfig, started_at: float) -> dict:
     """`run_record.close_if_running`'s `attempt`, for one that failed before rank 0 opened its record."""
     return {"started_at": started_at, "config": config_lib.to_dict(cfg), "config_text": config_lib.to_yaml(cfg),
-            "run_name": cfg.name, "seed": cfg.train.seed}
+            "run_name": cfg.name, "seed": cfg.train.seed,
+            "logs": failures.attempt_logs(run_directory(cfg), started_at)}
 
 
 def abort(trainer, timeout_s: float = 15.0) -> None:

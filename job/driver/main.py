@@ -19,7 +19,7 @@ from ..common.checkpoints import CheckpointError, ResumeRefused
 from ..common.sources import DataError
 from ..records import failures, run_record
 from ..records import lease as lease_lib
-from . import launch, watch
+from . import follow, launch, watch
 
 
 def run(args: argparse.Namespace, started_at: float, imported_at: float) -> int:
@@ -30,15 +30,20 @@ def run(args: argparse.Namespace, started_at: float, imported_at: float) -> int:
 
 
 def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: contextlib.ExitStack) -> int:
-    cfg = recordable = None  # the run directory, once its lease is held: a refusal from there on is recorded
+    # `recordable`: the run directory, once its lease is held: a refusal from there on is recorded (and told).
+    cfg = recordable = follower = None
     try:
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
         run_dir = launch.run_directory(cfg)
         launch.check_before_start(cfg, run_dir)
         if os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 holds it for all its processes
+            held.callback(follow.DriverLog(run_dir, started_at).close)
             held.enter_context(watch.hold(run_dir))
         recordable = run_dir
+        if not launch.under_torchrun():
+            follower = follow.Follower(run_dir, cfg.name, cfg.train.max_steps, started_at,
+                                       follow.RayJobReporter.from_env())
         checkpoints.check_before_start(cfg, run_dir)  # a resume this config cannot make, refused in seconds
         # When each of the driver's startup steps ended (metrics.Timeline).
         startup = {"imports": imported_at, "checks": time.time()}
@@ -48,6 +53,7 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
         print(f"# resolved config\n{config_lib.to_yaml(cfg)}", flush=True)
         if (done := launch.finished(cfg, run_dir)) is not None:
             print(done, flush=True)
+            follower.ended("succeeded", message=done)
             return 0
         launch.connect_ray(cfg)
         startup["ray"] = time.time()
@@ -55,7 +61,7 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
     except config_lib.ConfigError as e:
         for message in e.messages:
             print(f"config error: {message}", file=sys.stderr)
-        _record_refusal(cfg, recordable, e)
+        _record_refusal(cfg, recordable, e, follower)
         return 2
     except packages.MissingPackage as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -65,28 +71,32 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
         return 2
     except ResumeRefused as e:  # what the config asks of the run's checkpoints: a config error
         print(f"config error: {e}", file=sys.stderr)
-        _record_refusal(cfg, recordable, e)
+        _record_refusal(cfg, recordable, e, follower)
         return 2
     except CheckpointError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
-        _record_refusal(cfg, recordable, e)
+        _record_refusal(cfg, recordable, e, follower)
         return 1
     except DataError as e:
         print(f"data error: {e}", file=sys.stderr)
-        _record_refusal(cfg, recordable, e)
+        _record_refusal(cfg, recordable, e, follower)
         return 2
+    follower.start()
     try:
         # SIGINT/SIGTERM stop the run (`cancelled`); a record left running closed on an exception.
         with watch.driver_watch(run_dir):
             error = launch.run_with_ray(cfg, loop_config)
     except signals.Cancelled as e:
-        _verdict(run_dir, "cancelled", str(e), loop_config)
+        follower.stop()
+        _verdict(run_dir, "cancelled", str(e), loop_config, follower)
         return signals.exit_status(e)
     finally:
         launch.finish_tracking(loop_config)
+    follower.stop()
     if error:
-        _verdict(run_dir, "failed", error, loop_config)
+        _verdict(run_dir, "failed", error, loop_config, follower)
         return 1
+    follower.ended("succeeded")
     launch.disconnect_ray()  # Ray's forwarding of the workers' output ends: the verdict is the last thing shown
     try:
         record = run_record.load_latest(run_dir)
@@ -96,10 +106,11 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
     return 0
 
 
-def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
+def _verdict(run_dir: str, status: str, error: str, loop_config, follower: follow.Follower) -> None:
     """End Ray's output (its forwarding stops with the connection), then print `failures.verdict` as the driver's
-    last lines, on stderr: what a person reads first. With the cluster gone the connection is left: Ray ends the
-    process once it cannot reach its cluster, and disconnecting only waits for that."""
+    last lines, on stderr: what a person reads first, also told on the RayJob (`follower`). With the cluster gone the
+    connection is left: Ray ends the process once it cannot reach its cluster, and disconnecting only waits for
+    that."""
     try:
         record = run_record.load_latest(run_dir)
     except (OSError, ValueError):
@@ -111,18 +122,22 @@ def _verdict(run_dir: str, status: str, error: str, loop_config) -> None:
     logs_dir = failures.attempt_logs(run_dir, loop_config.started_at)
     try:
         fs, path = storage.filesystem(logs_dir)
-        logs = sorted(storage.join(logs_dir, p.rstrip("/").rsplit("/", 1)[-1]) for p in fs.ls(path, detail=False))
+        logs = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
     except (OSError, ValueError):
-        logs = []
+        logs = set()
     command = "python -m job " + shlex.join(sys.argv[1:])
-    print(failures.verdict(run_dir, record.get("status") or status, record.get("error"), error, command, logs),
+    status, err = record.get("status") or status, record.get("error") or failures.describe(error)
+    print(failures.verdict(run_dir, status, err, error, command, logs_dir, sorted(logs | {follow.DRIVER_LOG})),
           file=sys.stderr, flush=True)
+    follower.ended(status, err)
 
 
-def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error) -> None:
+def _record_refusal(cfg: config_lib.RunConfig, run_dir: str | None, error, follower: follow.Follower | None) -> None:
     """A run refused once the driver holds its lease (a bad data row, a refused resume, an unplaceable worker group)
     gets a `failed` record of this attempt (beside a record with finished work, which stays what it was). Refused
     before that, there is nowhere to write one: the exit status and the message are the whole record."""
+    if follower:
+        follower.ended("failed", failures.describe(error))
     if run_dir is None or os.environ.get("RANK", "0") != "0":
         return
     try:

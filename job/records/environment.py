@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
 import platform
 import re
 import shutil
 import socket
-import ssl
 import subprocess
 import sys
 import sysconfig
-import urllib.error
-import urllib.request
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .. import PACKAGE_DIR, __version__
+from ..common import kubeapi
 
 if TYPE_CHECKING:
     import torch
@@ -234,7 +231,6 @@ def worker_environment(device: torch.device | None = None, *, pod: bool = True) 
 # Image digest from Kubernetes
 # ---------------------------------------------------------------------------------------------
 
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 _RE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -244,49 +240,27 @@ def pod_image(*, api_url: str | None = None, token_path: str | None = None, ca_p
     """The image this pod really runs, from its Pod object (`GET /api/v1/namespaces/{ns}/pods/{name}` with the
     service-account token, which needs `get` on pods: the chart's RBAC).
 
-    Defaults: `api_url` from `KUBERNETES_SERVICE_HOST`/`_PORT`; token and CA from `SERVICE_ACCOUNT_DIR`; namespace
-    and pod from `POD_NAMESPACE`/`POD_NAME` (the chart's downward API; else the namespace file and `HOSTNAME`);
-    `container`: the first whose name contains `ray`, else the first. Returns `{"image", "image_id", "digest":
-    "sha256:...", "container", "pod", "namespace", "node"}`, or `{"digest": "unknown", "reason"}`: never raises.
+    Defaults: the API server, token and CA of `kubeapi.InCluster`; namespace and pod from `POD_NAMESPACE`/`POD_NAME`
+    (the chart's downward API; else the namespace file and `HOSTNAME`); `container`: the first whose name contains
+    `ray`, else the first. Returns `{"image", "image_id", "digest": "sha256:...", "container", "pod", "namespace",
+    "node"}`, or `{"digest": "unknown", "reason"}`: never raises.
     """
     env = os.environ if env is None else env
-    if api_url is None:
-        host = env.get("KUBERNETES_SERVICE_HOST")
-        if not host:
-            return {"digest": UNKNOWN, "reason": "not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)"}
-        port = env.get("KUBERNETES_SERVICE_PORT", "443")
-        api_url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-    token_path = token_path or os.path.join(SERVICE_ACCOUNT_DIR, "token")
-    if ca_path is None and api_url.startswith("https:"):
-        ca_path = os.path.join(SERVICE_ACCOUNT_DIR, "ca.crt")
-    if not namespace:
-        namespace = env.get("POD_NAMESPACE")
-        ns_file = os.path.join(SERVICE_ACCOUNT_DIR, "namespace")
-        if not namespace and os.path.exists(ns_file):
-            with open(ns_file, encoding="utf-8") as f:
-                namespace = f.read().strip()
+    try:
+        api = kubeapi.InCluster(api_url) if api_url else kubeapi.InCluster.from_env(env)
+    except kubeapi.ApiError as exc:
+        return {"digest": UNKNOWN, "reason": str(exc)}
+    api.token_path = token_path or api.token_path
+    api.ca_path = ca_path or (api.ca_path if api.url.startswith("https:") else None)
+    namespace = namespace or kubeapi.pod_namespace(env)
     pod_name = pod_name or env.get("POD_NAME") or env.get("HOSTNAME")
     if not namespace or not pod_name:
         return {"digest": UNKNOWN, "reason": "pod namespace/name unknown (POD_NAMESPACE/POD_NAME unset)"}
     try:
-        with open(token_path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as exc:
-        return {"digest": UNKNOWN, "reason": f"no service-account token ({exc.strerror}: {token_path})"}
-    url = f"{api_url.rstrip('/')}/api/v1/namespaces/{namespace}/pods/{pod_name}"
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}",
-                                                   "Accept": "application/json"})
-    context = None
-    if url.startswith("https:"):
-        context = ssl.create_default_context(cafile=ca_path if ca_path and os.path.exists(ca_path) else None)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
-            pod = json.load(response)
-    except urllib.error.HTTPError as exc:
-        hint = " (the service account needs 'get' on pods)" if exc.code in (401, 403) else ""
-        return {"digest": UNKNOWN, "reason": f"HTTP {exc.code} from {url}{hint}"}
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return {"digest": UNKNOWN, "reason": f"cannot read {url}: {exc}"}
+        pod = api.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod_name}", timeout=timeout)
+    except kubeapi.ApiError as exc:
+        hint = " (the service account needs 'get' on pods)" if exc.status in (401, 403) else ""
+        return {"digest": UNKNOWN, "reason": f"{exc}{hint}"}
 
     containers = (pod.get("spec") or {}).get("containers") or []
     if not containers:

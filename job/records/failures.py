@@ -39,6 +39,7 @@ _BY_TYPE = (
     ("HangError", "infrastructure", "hang"),  # the hang watchdog's (job/worker/watchdog.py)
     ("NonFiniteError", "model", "non_finite_loss"),
     ("LossSpikeError", "model", "loss_spike"),
+    ("ExportError", "model", "export_refused"),  # the export failed its acceptance check (worker/model/export.py)
     ("DataError", "data", "exception"),
     ("ResumeRefused", "config", "resume_refused"),  # the checkpoint's run is not this config's
     ("ConfigError", "config", "exception"),
@@ -144,7 +145,8 @@ LOGS_DIR = "logs"
 
 
 def attempt_logs(run_dir: str, started_at: float) -> str:
-    """`<run_dir>/logs/<driver start, UTC>/`: the worker tracebacks of the attempt whose driver started then."""
+    """`<run_dir>/logs/<driver start, UTC>/`: the driver's output (`driver.log`) and the worker tracebacks
+    (`rank<r>.log`) of the attempt whose driver started then."""
     stamp = _dt.datetime.fromtimestamp(started_at, _dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return storage.join(run_dir, LOGS_DIR, stamp)
 
@@ -177,9 +179,11 @@ _NEXT = {  # (class, reason or None for any): what to do before the command
 }
 
 
-def verdict(run_dir: str, status: str, err: dict | None, fallback: str, command: str, logs: list[str]) -> str:
+def verdict(run_dir: str, status: str, err: dict | None, fallback: str, command: str, logs_dir: str,
+            logs: list[str]) -> str:
     """The driver's last words on a run that did not succeed, at most 5 lines: the status and class, the one-line
-    cause, the run directory with the worker logs, and the next command."""
+    cause, the run directory, the attempt's logs (`logs` in `logs_dir`: the driver's, the workers' tracebacks), and
+    the next command."""
     err = err or describe(fallback)
     where = ", ".join(f"{k} {err[k]}" for k in ("step", "rank") if err.get(k) is not None)
     cause = " ".join(str(err.get("message") or fallback).split())
@@ -187,7 +191,7 @@ def verdict(run_dir: str, status: str, err: dict | None, fallback: str, command:
              f"cause: {cause[:400]}{'...' if len(cause) > 400 else ''}",
              f"run directory: {run_dir} (run.json)"]
     if logs:
-        lines.append(f"worker tracebacks: {', '.join(logs)}")
+        lines.append(f"logs: {logs_dir}/ ({', '.join(logs)})")
     cls, reason = err.get("class"), err.get("reason")
     todo = _NEXT.get((cls, reason)) or _NEXT.get((cls, None))
     if todo:

@@ -156,7 +156,7 @@ def _runtime_env_section(workers: list[dict]) -> dict:
 def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str | None = None,
                  seed: int | None = None, preflight: dict | None = None,
                  dataset: dict | None = None, tokenizer_sha256: str | None = None,
-                 pods: list[dict] | None = None, env: Mapping[str, str] | None = None) -> dict:
+                 pods: list[dict] | None = None, env: Mapping[str, str] | None = None, logs: str | None = None) -> dict:
     """Create `<run_dir>/run.json` with status `running`; return the record.
 
     Rank 0 only, once, after `preflight.run_preflight` (hardware, transport and every worker's environment known)
@@ -165,7 +165,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
     `preflight`: rank 0's `run_preflight` result (or `PreflightError.result`); None records this process's
     environment only. `dataset` / `tokenizer_sha256`: the data fingerprint and tokenizer hash if known (else via
     `update_record`). `pods`: `environment.pod_image` results overriding the preflight's (tests). `env`: where the
-    chart's env vars are read (default `os.environ`).
+    chart's env vars are read (default `os.environ`). `logs`: the attempt's logs (`failures.attempt_logs`).
     """
     env = os.environ if env is None else env
     if preflight is not None:
@@ -218,6 +218,7 @@ def start_record(run_dir: str, *, config: dict, config_text: str, run_name: str 
         "weights": None,
         "extra": {},
         "lease": _lease(run_dir),
+        "logs": logs,
         "record_file": RUN_RECORD,
         "previous_attempts": [],
         "later_attempts": [],

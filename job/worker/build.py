@@ -118,7 +118,7 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
         logger = MetricsLogger(run_dir, cfg.train.max_steps, launcher.progress_style(cfg.logging.progress_bar),
                                keep_until_step=start_step, sinks=sinks)
     worker = Worker(cfg, run_dir, device, rank, world, bf16, timeline, logger)
-    worker.log({"kind": "start", "params": n_params, "trainable_params": n_trainable,
+    worker.log({"kind": "start", "start_step": start_step, "params": n_params, "trainable_params": n_trainable,
                 "method": method(cfg.model.lora) if adapted else "full", "lora_rank": cfg.model.lora.rank,
                 "lora_layers": len(adapted), **base_memory(model, cfg.model.lora),
                 "flops_per_token": flops_tok, "world_size": world,

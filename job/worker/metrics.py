@@ -173,6 +173,10 @@ counts, after a worker-group restart, the earlier attempts' whole time: their re
 the first step's time beyond a typical step; `checkpoint` the time saves held training up."""
 
 
+INNER_PHASES = ("eval", "checkpoint", "task_eval")
+"""The phases timed inside the training loop (`train.LoopClock`): the loop's other time is training."""
+
+
 class Timeline:
     """Wall time per phase of one attempt, on rank 0, and the goodput: training time / wall.
 
@@ -194,6 +198,9 @@ class Timeline:
             self.startup[name], previous = max(0.0, ended - previous), ended
         self.startup["worker_imports"] = max(0.0, now - previous)
         self.checkpoint_blocking_s: list[float] = []
+        self.training_since: tuple[float, float] | None = None
+        """While the loop runs (`train.LoopClock`): its start (perf_counter) and the seconds its inner phases
+        (`INNER_PHASES`) had then; what else it has spent is training, so far (`so_far`)."""
         self.on_phase: Callable[[str, bool], None] | None = None
         """Called with (phase, entering) around each phase (the hang watchdog's `phase`)."""
 
@@ -217,6 +224,17 @@ class Timeline:
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
+
+    def so_far(self) -> dict:
+        """`{goodput, phases_s}` of the attempt so far, the running loop's time less its `INNER_PHASES` counted as
+        training (its first step's warmup too, split off at the loop's end): what a log step reports."""
+        seconds = dict(self.seconds)
+        if self.training_since is not None:
+            start, inner_before = self.training_since
+            seconds["train"] += (time.perf_counter() - start) - (sum(seconds[p] for p in INNER_PHASES) - inner_before)
+        wall = time.time() - self.started_at
+        return {"goodput": seconds["train"] / wall if wall else None,
+                "phases_s": {k: round(v, 1) for k, v in seconds.items() if v}}
 
     def summary(self) -> dict:
         """`{wall_s, phases_s, goodput, checkpoint_blocking_s, startup_s}`, `phases_s` including `other`."""

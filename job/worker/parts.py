@@ -182,6 +182,7 @@ class LogStep(Part):
             "tokens_per_s_per_device": tokens_per_s_device,
             "mfu": tokens_per_s_device * self.flops_per_token / self.peak_flops if self.peak_flops else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            **worker.timeline.so_far(),  # goodput and phases so far: the driver's metrics (driver.follow)
         })
         self.spikes.check(step, totals.mean_loss)  # after the log: the record's step is the spike's
         interval.restart()

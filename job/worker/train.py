@@ -24,7 +24,7 @@ from . import compile_cache, schedule
 from .build import build
 from .contract import Launcher, LoopConfig
 from .finish import export_due, finish
-from .metrics import StepProfiler, Timeline
+from .metrics import INNER_PHASES, StepProfiler, Timeline
 from .model import export
 from .optimizer import clip_in_step
 from .pairs import make_pairs
@@ -52,7 +52,7 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
 
     full_preflight = cfg.preflight.enabled or cfg.mode == "preflight"
     record_args = dict(config=config_lib.to_dict(cfg), config_text=config_lib.to_yaml(cfg), run_name=cfg.name,
-                       seed=cfg.train.seed)
+                       seed=cfg.train.seed, logs=failures.attempt_logs(run_dir, loop_config.started_at))
     try:
         with timeline.phase("startup"):
             preflight = preflight_lib.run_preflight(cfg.preflight if full_preflight else RECORD_ONLY_PREFLIGHT,
@@ -180,8 +180,6 @@ class LoopClock:
     steps: int = 0
     """Steps finished since the loop began."""
 
-    PHASES_INSIDE = ("eval", "checkpoint", "task_eval")
-
     @classmethod
     def begin(cls, trainer: Trainer) -> LoopClock:
         """The clock started as the loop begins (the device's peak memory counted from here)."""
@@ -189,7 +187,9 @@ class LoopClock:
         if trainer.worker.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.worker.device)
         timeline.sync()
-        return cls(time.perf_counter(), sum(timeline.seconds[p] for p in cls.PHASES_INSIDE))
+        clock = cls(time.perf_counter(), sum(timeline.seconds[p] for p in INNER_PHASES))
+        timeline.training_since = (clock.start, clock.outside_train)
+        return clock
 
     def step_done(self, trainer: Trainer) -> None:
         """After each step; after the first, everything the training step compiles has been compiled (and is kept
@@ -207,8 +207,9 @@ class LoopClock:
         timeline = trainer.worker.timeline
         if sync:
             timeline.sync()
+        timeline.training_since = None
         loop_s = time.perf_counter() - self.start
-        train_s = loop_s - (sum(timeline.seconds[p] for p in self.PHASES_INSIDE) - self.outside_train)
+        train_s = loop_s - (sum(timeline.seconds[p] for p in INNER_PHASES) - self.outside_train)
         if self.first_step_s is None:
             return
         steps = self.steps
