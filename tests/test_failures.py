@@ -88,6 +88,7 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
      ("infrastructure", "nccl", "RuntimeError")),
     (signals.Preempted(14, "/runs/r/checkpoint_00000014", 1), ("infrastructure", "preempted", "Preempted")),
+    (signals.Stopped(14, "/runs/r/checkpoint_00000014", signal.SIGTERM), ("cancelled", "signal", "Stopped")),
     (_wrapped(checkpoints.ResumeRefused("checkpoint c: would not continue the same run (train.seed: ...)")),
      ("config", "resume_refused", "ResumeRefused")),
     (checkpoints.CheckpointError("run r has checkpoints, but none can be resumed from"),
@@ -98,8 +99,20 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
 def test_classify_from_the_exception_chain(exc, expected):
     err = failures.describe(exc, step=3, rank=1)
     assert (err["class"], err["reason"], err["exception"]) == expected
-    saved_step = exc.step if isinstance(exc, signals.Preempted) else 3  # a preemption names the step it saved
+    saved_step = exc.step if isinstance(exc, signals.SavedThenStopped) else 3  # a save names the step it saved
     assert err["step"] == saved_step and err["rank"] == 1 and err["message"]
+
+
+@pytest.mark.parametrize("exc", [signals.Preempted(14, "/runs/r/checkpoint_00000014", 2),
+                                 signals.Stopped(14, "/runs/r/checkpoint_00000014", signal.SIGINT)],
+                         ids=["preempted", "stopped"])
+def test_a_saved_stop_reaches_the_driver_whole(exc):
+    """Ray pickles a worker's exception for the driver: it comes back the same exception, with its step, checkpoint
+    and words (not a TypeError in the driver's log)."""
+    import ray.cloudpickle
+
+    back = ray.cloudpickle.loads(ray.cloudpickle.dumps(exc))
+    assert (type(back), back.step, back.checkpoint, str(back)) == (type(exc), exc.step, exc.checkpoint, str(exc))
 
 
 # Two gloo ranks all-reducing until rank 1 is SIGKILLed; rank 0 prints how `failures.describe` records the error
@@ -279,9 +292,13 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
-def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, signum):
-    cmd, env, run_dir = _driver(tmp_path, "sig", train={"max_steps": 5000, "warmup_steps": 1},
-                                logging={"every_steps": 2})
+def test_a_stopped_driver_has_the_workers_save_at_their_next_log_step_and_a_rerun_resumes_there(tmp_path, signum):
+    """A signal to the driver (a Ctrl-C; the head pod's `ray job stop` on `helm uninstall`): the ranks save at their
+    next log step, the record says `cancelled` with that checkpoint, the workers end, and the same command resumes
+    from the save, training no step twice (a constant learning rate after warmup: the rerun's nearer end leaves the
+    schedule alone). No worker says it is saving when Ray ends it afterwards."""
+    cmd, env, run_dir = _driver(tmp_path, "sig", train={"max_steps": 5000, "warmup_steps": 1, "min_lr_ratio": 1.0},
+                                logging={"every_steps": 2}, checkpoint={"every_steps": 1000, "export": False})
     with open(tmp_path / "driver.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -297,11 +314,24 @@ def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, si
     validate(record)
     assert record["status"] == "cancelled" and record["ended_at"], record["error"]
     err = record["error"]
-    assert (err["class"], err["reason"], err["exception"]) == ("cancelled", "signal", "Cancelled")
-    assert signal.Signals(signum).name in err["message"] and err["rank"] is None
-    assert err["step"] >= 2 and err["step"] == record["metrics"]["steps"]
+    assert (err["class"], err["reason"], err["exception"], err["rank"]) == ("cancelled", "signal", "Stopped", 0), err
+    saved = err["step"]
+    assert signal.Signals(signum).name in err["message"] and f"checkpoint_{saved:08d}" in err["message"], err
+    assert saved % 2 == 0 and saved == record["metrics"]["steps"], (saved, record["metrics"])  # a log step, the last
+    assert record["checkpoints"]["latest"].endswith(f"checkpoint_{saved:08d}")
+    assert checkpoints.latest_complete(run_dir).endswith(f"checkpoint_{saved:08d}")
+    assert "saving a checkpoint" not in output, output[-3000:]
     _wait_for(lambda: _gone(worker), 30, f"worker {worker} to end")  # the workers are stopped, not orphaned
     assert lease_lib.read_heartbeat(run_dir)["final"] is True
+    if signum == signal.SIGINT:
+        return
+    again = subprocess.run([*cmd, "--set", f"train.max_steps={saved + 2}", "--set", "checkpoint.every_steps=0"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    record = run_record.load_record(run_dir)
+    assert record["status"] == "succeeded" and record["extra"]["resumed_from"]["step"] == saved
+    assert record["previous_attempts"][0]["status"] == "cancelled"
+    assert [r["step"] for r in _trained(run_dir)] == list(range(2, saved + 3, 2)), "each step trained once"
 
 
 def test_sigkilled_driver_is_abandoned_by_the_next_start_which_resumes_and_succeeds(tmp_path):
@@ -413,7 +443,7 @@ def test_a_workers_sigterm_is_a_preemption_until_its_loop_returns_then_goes_to_t
     """During the loop a SIGTERM is noted and said, not obeyed; once the loop has returned (Ray ending the worker
     after a finished run) it goes to the handler `catch_preemption` replaced, with no claim of a save."""
     monkeypatch.setattr(signals, "_preemption_signals", [])
-    monkeypatch.setattr(signals, "_loop_returned", [])
+    monkeypatch.setattr(signals, "_sigterm_ends", [])
     replaced = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: replaced.append(signum))
     try:
