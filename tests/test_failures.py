@@ -501,6 +501,36 @@ def test_sigterm_to_a_worker_saves_at_the_next_step_and_the_retry_resumes_there(
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 31))
 
 
+def test_the_head_stagings_refusal_is_recorded_and_ends_its_first_driver(tmp_path):
+    """The chart's staging init container finds a data source missing (templates/_staging.tpl): it records the run
+    `failed`/`data` from its pod (job/driver/staging.py). The driver then started in that pod ends with the same line
+    and exit status 2 before it connects to Ray, adding no record; a later driver of the run in the pod (a warm
+    cluster's next job) and one in another pod check for themselves."""
+    from job.driver import staging
+
+    cmd, env, run_dir = _driver(tmp_path, "staged")
+    env = {**env, "POD_NAME": "staged-head-0", "POD_NAMESPACE": "t-staged"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    line = "run.data.train: /mnt/runs/data/train.jsonl does not exist: copy it there (staging.copies) or point " \
+           "run.data.train at it"
+    staged = subprocess.run([sys.executable, "-m", "job.driver.staging", "--config", cmd[-1], line], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert staged.returncode == 0, staged.stdout + staged.stderr
+    assert "no Event: JOB_RAYJOB, POD_NAMESPACE or KUBERNETES_SERVICE_HOST unset" in staged.stdout
+    refused = run_record.load_record(run_dir)
+    validate(refused)
+    err = refused["error"]
+    assert (refused["status"], err["class"], refused["pod"]["name"]) == ("failed", "data", "staged-head-0"), refused
+    assert line in err["message"] and refused["previous_attempts"] == []
+    driver = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert driver.returncode == 2, driver.stdout[-3000:] + driver.stderr[-3000:]
+    assert f"data error: {line} (found by the head's data staging; in run.json)" in driver.stderr
+    assert "resolved config" not in driver.stdout, "it ended before Ray"
+    assert run_record.load_record(run_dir) == refused, "no second record"
+    assert staging.refused_here(run_dir, {"POD_NAME": "staged-head-0"}) is None, "a driver has beaten since"
+    assert staging.refused_here(run_dir, {"POD_NAME": "another-head"}) is None
+
+
 def test_a_failure_before_rank0_opens_the_record_gets_one_from_the_driver(tmp_path):
     run_dir = tmp_path / "r"
     attempt = {"started_at": time.time(), "config": {"name": "r"}, "config_text": "name: r\n", "run_name": "r",

@@ -13,9 +13,7 @@ import os
 import sys
 import threading
 import time
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from .. import config as config_lib
 from .. import signals, storage
@@ -28,8 +26,12 @@ from ..rules import is_hub_source
 from ..worker.contract import Launcher, LoopConfig
 from . import watch
 
+if TYPE_CHECKING:
+    import torch
+
 # The training loop (the model, FSDP2, the compiler) is imported where a worker runs it: the driver only launches
-# it, and those imports took ~5 of its ~10 s on 2 cores.
+# it, and those imports took ~5 of its ~10 s on 2 cores. torch itself is imported only where torchrun's processes
+# use it, so that the head's data staging (`staging`, which needs this module's paths) starts without it.
 
 
 class ClusterLost(RuntimeError):
@@ -282,6 +284,9 @@ class TorchrunLauncher(Launcher):
     """A torchrun process: the process group is created here; rank 0 draws its own bar; no one to report to."""
 
     def setup_device(self, use_gpu: bool) -> torch.device:
+        import torch
+        import torch.distributed as dist
+
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
         if not dist.is_initialized():
@@ -502,6 +507,8 @@ def resume_hint(run_dir: str) -> str:
 
 
 def run_with_torchrun(loop_config: LoopConfig) -> None:
+    import torch.distributed as dist
+
     from ..worker.train import train_loop  # here, not at the top: keeps the driver's start short
 
     try:

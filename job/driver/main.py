@@ -18,7 +18,7 @@ from ..common.checkpoints import CheckpointError
 from ..common.sources import DataError
 from ..records import failures, run_record
 from ..records import lease as lease_lib
-from . import launch, watch
+from . import launch, staging, watch
 
 
 def run(args: argparse.Namespace, started_at: float, imported_at: float) -> int:
@@ -34,10 +34,14 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
         run_dir = launch.run_directory(cfg)
+        staged_refusal = staging.refused_here(run_dir)  # read before this driver's heartbeat
         launch.check_before_start(cfg, run_dir)
         if os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 holds it for all its processes
             held.enter_context(watch.hold(run_dir))
         recordable = run_dir
+        if staged_refusal:
+            print(f"data error: {staged_refusal} (found by the head's data staging; in run.json)", file=sys.stderr)
+            return 2
         # When each of the driver's startup steps ended (metrics.Timeline).
         startup = {"imports": imported_at, "checks": time.time()}
         if launch.under_torchrun():
