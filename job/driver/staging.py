@@ -35,7 +35,9 @@ RAYJOB_ENV = "JOB_RAYJOB"
 
 
 def refuse(config_path: str, message: str, env: Mapping[str, str] = os.environ) -> None:
-    """Record the refusal `message` in run.json (unless another driver holds the run) and tell the RayJob."""
+    """Tell the RayJob the refusal `message`, then record it in run.json (unless another driver holds the run; the
+    record, which names the pod's environment, takes the longer)."""
+    tell_rayjob(message, env)
     cfg = launch.resolve_paths(config_lib.load(config_path))
     run_dir = launch.run_directory(cfg)
     try:
@@ -48,7 +50,6 @@ def refuse(config_path: str, message: str, env: Mapping[str, str] = os.environ) 
             print(f"recorded in {run_dir}/run.json: failed/data", flush=True)
         finally:
             lease_lib.release(run_dir, lease)
-    tell_rayjob(message, env)
 
 
 def refused_here(run_dir: str, env: Mapping[str, str] = os.environ) -> str | None:
