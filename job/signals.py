@@ -1,10 +1,12 @@
-"""How a process of the run is asked to stop: a signal to the driver ends the run (`Cancelled`); a SIGTERM to a
-worker (Kubernetes' before an eviction) or Ray Train's drain signal asks for a save first, after which the ranks end
-the attempt with `Preempted`, which the retry resumes from. Once the worker's loop has returned, a SIGTERM is the
-worker's ordinary end and goes to the handler it replaced."""
+"""How a process of the run is asked to stop. A signal to the driver stops the run (`Cancelled`): the driver first
+asks the ranks, through a `StopRequest`, to save at their next log step, and they end with `Stopped`, which a rerun
+resumes from. A SIGTERM to a worker (Kubernetes' before an eviction) or Ray Train's drain signal asks for a save too,
+after which the ranks end the attempt with `Preempted`, which the retry resumes from. Once the worker's loop has
+returned, a SIGTERM is the worker's ordinary end and goes to the handler it replaced."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -18,13 +20,59 @@ class Cancelled(KeyboardInterrupt):
         super().__init__(f"{signal.Signals(signum).name} to the driver (pid {os.getpid()}): the run was stopped")
 
 
-class Preempted(RuntimeError):
-    """The ranks agreed to stop for a preemption and saved checkpoint `step` first: `infrastructure`/`preempted`."""
+class SavedThenStopped(RuntimeError):
+    """The ranks agreed to stop at step `step` and saved it first, as checkpoint `checkpoint`. Its `args` are its
+    constructor's (`__str__` words them), so that Ray, which pickles a worker's exception for the driver, rebuilds it
+    whole rather than failing on the message alone."""
+
+    def __init__(self, step: int, checkpoint: str, cause: int):
+        super().__init__(step, checkpoint, cause)
+        self.step, self.checkpoint = step, checkpoint
+
+
+class Preempted(SavedThenStopped):
+    """The ranks agreed to stop for a preemption (signalled on `ranks` of them) and saved checkpoint `step` first:
+    `infrastructure`/`preempted`; the retry resumes from it."""
 
     def __init__(self, step: int, checkpoint: str, ranks: int):
-        self.step, self.checkpoint = step, checkpoint
-        super().__init__(f"preempted at step {step} (signalled on {ranks} rank(s)): checkpoint {checkpoint} saved; "
-                         "the retry resumes from it")
+        super().__init__(step, checkpoint, ranks)
+
+    def __str__(self) -> str:
+        return (f"preempted at step {self.step} (signalled on {self.args[2]} rank(s)): checkpoint {self.checkpoint} "
+                "saved; the retry resumes from it")
+
+
+class Stopped(SavedThenStopped):
+    """The driver got signal `signum` and asked the ranks to stop: they saved checkpoint `step` first and ended the
+    run (`cancelled`/`signal`), which a rerun resumes from."""
+
+    def __init__(self, step: int, checkpoint: str, signum: int):
+        super().__init__(step, checkpoint, signum)
+
+    def __str__(self) -> str:
+        return (f"{signal.Signals(self.args[2]).name} to the driver: the ranks saved step {self.step} "
+                f"({self.checkpoint}) and stopped; rerunning the same command resumes from it")
+
+
+class StopRequest:
+    """A stopped driver's request to its ranks, as a Ray actor (the driver's `ray.remote`; torch-free, so the actor
+    starts light): `request(signum)` once; each worker's thread waits on `requested` (no polling: the call returns
+    when the request comes), and a worker group started after it finds it in `pending`."""
+
+    def __init__(self):
+        self._signum: int | None = None
+        self._event = asyncio.Event()
+
+    async def request(self, signum: int) -> None:
+        self._signum = signum
+        self._event.set()
+
+    async def requested(self) -> int:
+        await self._event.wait()
+        return self._signum
+
+    async def pending(self) -> int | None:
+        return self._signum
 
 
 def exit_status(exc: BaseException) -> int:
@@ -34,7 +82,7 @@ def exit_status(exc: BaseException) -> int:
 
 
 _preemption_signals: list[int] = []  # the SIGTERMs this worker process received (catch_preemption's handler)
-_loop_returned: list[bool] = []  # set by stop_catching_preemption: from then on a SIGTERM is not a preemption
+_sigterm_ends: list[bool] = []  # set by stop_catching_preemption: from then on a SIGTERM is not a preemption
 
 
 def catch_preemption() -> bool:
@@ -44,11 +92,11 @@ def catch_preemption() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     before = signal.getsignal(signal.SIGTERM)
-    _loop_returned.clear()  # a loop starting in this process again (torchrun, tests): caught once more
+    _sigterm_ends.clear()  # a loop starting in this process again (torchrun, tests): caught once more
 
     def note(signum, frame):
         signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
-        if _loop_returned:  # the worker being shut down after its loop: nothing to save, no claim that it will
+        if _sigterm_ends:  # the worker being ended: nothing to save, no claim that it will
             signal.raise_signal(signum)
             return
         _preemption_signals.append(signum)
@@ -59,9 +107,10 @@ def catch_preemption() -> bool:
 
 
 def stop_catching_preemption() -> None:
-    """The worker's loop has returned (any thread): a SIGTERM now goes to the handler `catch_preemption` replaced
-    (Ray's, which ends the worker)."""
-    _loop_returned.append(True)
+    """From now on (any thread) a SIGTERM goes to the handler `catch_preemption` replaced (Ray's, which ends the
+    worker) and claims no save: the worker's loop has returned, or the stopped driver asked the ranks to save and
+    will end them itself (`StopRequest`)."""
+    _sigterm_ends.append(True)
 
 
 def preemption_signalled() -> bool:

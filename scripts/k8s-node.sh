@@ -1,6 +1,6 @@
 # The real node of `scripts/k8s-up.sh up --real-node` (sourced by it; uses its start, wait_for, log, api):
-# containerd + runc, the CNI bridge, kubelet, kube-proxy, CoreDNS and the NetworkPolicy controller, in a network
-# namespace of their own.
+# containerd + runc, the CNI bridge, kubelet, kube-proxy, CoreDNS and the NetworkPolicy controller (kube-network-
+# policies, or kube-router's firewall where nft's `queue` is missing), in a network namespace of their own.
 #
 # The host's network namespace is left as it is: no link, address, route or iptables rule is added there. The
 # whole control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) runs inside the node's
@@ -27,14 +27,15 @@ CLUSTER_CIDR=10.244.0.0/16
 SERVICE_CIDR=10.96.0.0/16
 PAUSE_IMAGE=registry.k8s.io/pause:3.10.2
 
-# Debian's containerd, runc, CNI plugins, socat and nft (installed when missing: CI's fresh machine has none of them).
+# Debian's containerd, runc, CNI plugins, socat, nft and ipset (installed when missing: CI's fresh machine has none of
+# them; kube-router's firewall needs ipset).
 node_packages() {
   local missing=() tool
-  for tool in containerd runc ctr socat nft; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  for tool in containerd runc ctr socat nft ipset; do command -v "$tool" >/dev/null || missing+=("$tool"); done
   [[ -x /usr/lib/cni/bridge ]] || missing+=(cni)
   ((${#missing[@]})) || return 0
-  log "installing containerd, runc, containernetworking-plugins, socat and nftables (missing: ${missing[*]})"
-  local packages=(containerd runc containernetworking-plugins socat nftables)
+  log "installing containerd, runc, containernetworking-plugins, socat, nftables and ipset (missing: ${missing[*]})"
+  local packages=(containerd runc containernetworking-plugins socat nftables ipset)
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >&2 ||
     { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}" >&2; }
 }
@@ -273,15 +274,14 @@ cmd_node_up() {
 # does (client-go's in-cluster config: the service-account files at their fixed path), so it runs in a mount
 # namespace of its own with a tmpfs over /run holding them (the admin token; nothing of it reaches the host's
 # mounts). Without the kernel's nft `queue` expression (CONFIG_NFT_QUEUE, absent from this machine's kernel) its
-# table cannot be loaded: the controller is then neither built nor started, policies are not enforced, which `up`
-# says, and NETWORK_POLICIES_UNENFORCED in the state dir holds why (nft's error, or the controller's if its own
-# table fails). (v0.8.0 ignores its --disable-nri: it logs that it found no NRI socket.)
+# table cannot be loaded: kube-router's firewall runs instead (`kube_router_up`). Where neither enforces policies
+# `up` says so, and NETWORK_POLICIES_UNENFORCED in the state dir holds why. (kube-network-policies v0.8.0 ignores
+# its --disable-nri: it logs that it found no NRI socket.)
 network_policies_up() {
   local sa=/run/secrets/kubernetes.io/serviceaccount why
   rm -f "$STATE/NETWORK_POLICIES_UNENFORCED"
   if why=$(nft_queue_missing); then
-    echo "kube-network-policies not started: $why" > "$STATE/NETWORK_POLICIES_UNENFORCED"
-    log "NetworkPolicy NOT enforced: $(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
+    kube_router_up "$why"
     return 0
   fi
   start network-policies nsenter "--net=/run/netns/$NETNS" unshare --mount --propagation private \
@@ -299,6 +299,37 @@ network_policies_up() {
     log "NetworkPolicy NOT enforced: kube-network-policies could not load its nftables table:" \
         "$(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
   fi
+}
+
+# kube-router (cloudnativelabs) as the NetworkPolicy controller only: its firewall, with its routing (the CNI bridge
+# routes), service proxy (kube-proxy's) and CNI off. Its rules are iptables chains (KUBE-ROUTER-FORWARD, -INPUT,
+# -OUTPUT, per-pod and per-policy chains) matching ipsets of the selected Pods' addresses; the bridge's netfilter
+# hook (bridge-nf-call-iptables, on in the node's namespace) puts traffic between Pods on cni0 through them. It reads
+# the API with the admin kubeconfig, which reaches the API server inside the same namespace. `$1`: why the nft
+# controller could not run.
+kube_router_up() {
+  if [[ ! -x $BIN/kube-router ]]; then
+    echo "kube-network-policies not started ($1), and no kube-router in $BIN" > "$STATE/NETWORK_POLICIES_UNENFORCED"
+    log "NetworkPolicy NOT enforced: $(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
+    return 0
+  fi
+  start network-policies nsenter "--net=/run/netns/$NETNS" "$BIN/kube-router" --kubeconfig "$STATE/kubeconfig" \
+    --hostname-override "$NODE_NAME" --run-firewall=true --run-router=false --run-service-proxy=false \
+    --enable-cni=false --enable-pod-egress=false --service-cluster-ip-range "$SERVICE_CIDR" \
+    --health-port "$KUBE_ROUTER_HEALTH_PORT" --metrics-port 0
+  if wait_for network-policies 60 kube_router_synced; then
+    log "NetworkPolicy enforced (kube-router's firewall; nft queue missing: $1)"
+  else
+    { echo "kube-router's firewall did not sync:"; tail -n 3 "$STATE/logs/network-policies.log"; } | tr -s ' \t\n' ' ' \
+      > "$STATE/NETWORK_POLICIES_UNENFORCED"
+    log "NetworkPolicy NOT enforced: $(cat "$STATE/NETWORK_POLICIES_UNENFORCED")"
+  fi
+}
+
+KUBE_ROUTER_HEALTH_PORT=20244
+kube_router_synced() {
+  in_node curl -sf "http://127.0.0.1:$KUBE_ROUTER_HEALTH_PORT/healthz" >/dev/null &&
+    in_node iptables -t filter -S KUBE-ROUTER-FORWARD >/dev/null 2>&1
 }
 
 # Prints why this kernel cannot run the controller's rules and succeeds, or fails when it can: a table with the nft

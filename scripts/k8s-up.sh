@@ -14,7 +14,8 @@
 #        scripts/k8s-up.sh monitoring-crds       fetch the PodMonitor CRD (prometheus-operator) into the cache; prints its dir
 #
 # --real-node: instead of kwok's simulated nodes, one real node (containerd, runc, the CNI bridge, kubelet,
-# kube-proxy, CoreDNS, the NetworkPolicy controller) in a network namespace of its own, with the control plane
+# kube-proxy, CoreDNS, the NetworkPolicy controller: kube-network-policies, or kube-router's firewall where the
+# kernel lacks nft's `queue`) in a network namespace of its own, with the control plane
 # inside it; only a relay of the API server's port reaches the host's loopback. scripts/k8s-node.sh says how and why.
 #
 # K8S_CACHE   (default ~/.cache/ray-finetune/k8s): bin/ holds the binaries, images/ the pause image
@@ -125,7 +126,9 @@ cmd_build() {
       k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy
     build_one coredns "$BIN/coredns" -ldflags "$strip" .
     local why
-    if why=$(nft_queue_missing); then log "kube-network-policies not built: $why"
+    if why=$(nft_queue_missing); then
+      log "kube-network-policies not built: $why; kube-router's firewall enforces NetworkPolicy instead"
+      build_one kube-router "$BIN/kube-router" -ldflags "$strip" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
     else build_one kube-network-policies "$BIN/kube-network-policies" -ldflags "$strip" sigs.k8s.io/kube-network-policies/cmd; fi
     exec {lock}>&-
   fi

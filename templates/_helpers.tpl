@@ -307,6 +307,8 @@ anything else the job would reject (ray-finetune.checkRun).
   value: {{ include "ray-finetune.image" . }}
 - name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S  # `ray start`'s drain on SIGTERM, within the pod's grace period
   value: {{ sub .Values.terminationGracePeriodSeconds 10 | quote }}
+- name: RAY_JOB_STOP_WAIT_TIME_S  # `ray job stop` (the RayJob deleted) SIGKILLs the driver after it: its save fits
+  value: {{ sub .Values.terminationGracePeriodSeconds 10 | quote }}
 - name: POD_NAME
   valueFrom:
     fieldRef:

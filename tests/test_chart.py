@@ -50,7 +50,7 @@ COMBINATIONS = {
     **PROFILE_COMMANDS,
     "warm cluster": ["--set", "rayCluster.create=true"],
     "warm cluster with Kueue": ["--set", "rayCluster.create=true", "--set", "kueue.queueName=team-a"],
-    "Kueue": ["--set", "kueue.queueName=team-a"],
+    "Kueue": ["--set", "kueue.queueName=team-a", "--set", "rayJob.shutdownAfterJobFinishes=true"],
     "s3 storage with credentials": ["--set", "storage.uri=s3://bucket/runs", "--set", "storage.existingSecret=s3-creds"],
     "existing claim, digest, deadlines": [
         "--set", "storage.existingClaim=shared-runs",
@@ -522,16 +522,30 @@ def test_staging_copies_once_then_checks_the_data(tmp_path):
             "--set-json", f'staging.copies=[{{"from":"{source}","to":"datasets/gsm8k"}}]']
     objects = render(*args)
     (init,) = dict(ray_pod_specs(objects))["head"]["template"]["spec"]["initContainers"]
-    assert init["volumeMounts"] == [{"name": "runs", "mountPath": "/mnt/runs"}]
+    assert [m["mountPath"] for m in init["volumeMounts"]] == ["/opt/job/job", "/etc/job", "/mnt/runs"]
     assert [name for name, g in ray_pod_specs(objects) if "initContainers" in g["template"]["spec"]] == ["head"]
-    paths = {"STAGING_ROOT": str(claim), "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/datasets/gsm8k/train.jsonl"})}
+    config = tmp_path / "run.yaml"  # the rendered run config, its storage here
+    config.write_text(yaml.safe_dump({**run_config(objects), "storage_path": str(claim)}))
+    paths = {"STAGING_ROOT": str(claim), "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/datasets/gsm8k/train.jsonl"}),
+             "RUN_CONFIG": str(config), "PYTHONPATH": str(REPO), "POD_NAME": "exp1-head"}
     first = run_container_script(init, paths)
     assert first.returncode == 0, first.stderr
     assert (claim / "datasets" / "gsm8k" / "train.jsonl").read_text() == (source / "train.jsonl").read_text()
-    assert "is readable" in first.stdout
+    assert "is readable" in first.stdout and not (claim / "exp1" / "run.json").exists()
     assert "already copied" in run_container_script(init, paths).stdout
+    # What cannot start is said, recorded from this pod and told the RayJob (here no API server: said so); the head
+    # starts, for its driver to end the run (tests/test_failures.py).
     missing = run_container_script(init, {**paths, "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/nothing.jsonl"})})
-    assert missing.returncode == 1 and "run.data.train: " in missing.stderr and "does not exist" in missing.stderr
+    line = f"run.data.train: {claim}/nothing.jsonl does not exist: copy it there (staging.copies) or point run.data.train at it"
+    assert missing.returncode == 0 and line in missing.stdout, missing.stdout + missing.stderr
+    assert "no Event: JOB_RAYJOB unset" in missing.stdout
+    record = json.loads((claim / "exp1" / "run.json").read_text())
+    assert (record["status"], record["error"]["class"], record["pod"]["name"]) == ("failed", "data", "exp1-head")
+    assert line in record["error"]["message"]
+    absent = tmp_path / "bucket" / "absent"
+    uncopied = run_container_script(init, {**paths, "STAGING_COPIES": json.dumps([{"from": str(absent), "to": "x"}])})
+    assert uncopied.returncode == 0 and f"staging.copies[0]: cannot copy {absent} -> {claim}/x: " in uncopied.stdout
+    assert "staging.copies[0]" in json.loads((claim / "exp1" / "run.json").read_text())["error"]["message"]
     # Nothing to copy or check: no init container; a bucket cannot be a copy target.
     assert "initContainers" not in dict(ray_pod_specs(render()))["head"]["template"]["spec"]
     assert "staging.copies" in render_error("--set", "storage.uri=s3://b/p", "--set-json", 'staging.copies=[{"from":"/d","to":"d"}]')
@@ -806,9 +820,28 @@ def test_warm_cluster_is_selected_not_embedded():
     assert cluster["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
 
 
+def test_an_ended_job_is_deleted_at_its_ttl_whatever_its_ending():
+    """The chart's deletion rules: ttlSecondsAfterFinished after a success or any failure (`jobDeploymentStatus:
+    Failed`, which deadlines reach with jobStatus RUNNING), the RayJob itself, and so its cluster and submitter Job.
+    None with `shutdownAfterJobFinishes` (the cluster only), on the warm cluster (KubeRay applies none there), or
+    where the user's rules replace them."""
+    spec = one(render("--set", "rayJob.ttlSecondsAfterFinished=42"), "RayJob")["spec"]
+    assert spec["deletionStrategy"] == {"deletionRules": [
+        {"policy": "DeleteSelf", "condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": 42}},
+        {"policy": "DeleteSelf", "condition": {"jobDeploymentStatus": "Failed", "ttlSeconds": 42}}]}
+    assert spec["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in spec
+    spec = one(render("--set", "rayJob.shutdownAfterJobFinishes=true"), "RayJob")["spec"]
+    assert "deletionStrategy" not in spec and (spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"]) == (True, 600)
+    assert "deletionStrategy" not in one(render("--set", "rayCluster.create=true"), "RayJob")["spec"]
+    rules = yaml.safe_load((REPO / "tests" / "fixtures" / "deletion-rules.yaml").read_text())["rayJob"]["deletionRules"]
+    spec = one(render("-f", "tests/fixtures/deletion-rules.yaml"), "RayJob")["spec"]
+    assert spec["deletionStrategy"]["deletionRules"] == rules
+
+
 def test_kueue_suspends_the_rayjob():
-    rayjob = one(render("--set", "kueue.queueName=team-a"), "RayJob")
+    rayjob = one(render("--set", "kueue.queueName=team-a", "--set", "rayJob.shutdownAfterJobFinishes=true"), "RayJob")
     assert rayjob["spec"]["suspend"] is True and rayjob["spec"]["shutdownAfterJobFinishes"] is True
+    assert "deletionStrategy" not in rayjob["spec"]
     assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
 
 
@@ -831,13 +864,14 @@ def test_role_is_least_privilege():
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
             {"apiGroups": [""], "resources": ["pods"], "resourceNames": ["exp1-ray-finetune-test"], "verbs": ["patch"]},
             {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [rayjob], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["exp1-ray-finetune-run"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
         ]
 
-    # monitoring.rayJob (default): annotations on this release's RayJob alone, Events in its namespace.
+    # monitoring.rayJob (default): annotations on this release's RayJob alone.
     role, rayjob = rules()
     assert role == base(rayjob) + [
         {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [rayjob], "verbs": ["patch"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
     role, rayjob = rules("--set", "monitoring.rayJob=false")
     assert role == base(rayjob)
@@ -993,4 +1027,5 @@ def test_ray_pods_get_the_grace_period_for_a_preemption_save():
             assert pod["terminationGracePeriodSeconds"] == value, group
             env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
             assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == str(value - 10), group  # ray start drains within it
+            assert env["RAY_JOB_STOP_WAIT_TIME_S"] == str(value - 10), group  # a stopped driver's save within it
     assert "terminationGracePeriodSeconds" in render_error("--set", "terminationGracePeriodSeconds=5")

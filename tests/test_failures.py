@@ -90,6 +90,7 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
     (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
      ("infrastructure", "nccl", "RuntimeError")),
     (signals.Preempted(14, "/runs/r/checkpoint_00000014", 1), ("infrastructure", "preempted", "Preempted")),
+    (signals.Stopped(14, "/runs/r/checkpoint_00000014", signal.SIGTERM), ("cancelled", "signal", "Stopped")),
     (_wrapped(checkpoints.ResumeRefused("checkpoint c: would not continue the same run (train.seed: ...)")),
      ("config", "resume_refused", "ResumeRefused")),
     (checkpoints.CheckpointError("run r has checkpoints, but none can be resumed from"),
@@ -101,8 +102,20 @@ def _caused(exc: BaseException, cause: BaseException) -> BaseException:
 def test_classify_from_the_exception_chain(exc, expected):
     err = failures.describe(exc, step=3, rank=1)
     assert (err["class"], err["reason"], err["exception"]) == expected
-    saved_step = exc.step if isinstance(exc, signals.Preempted) else 3  # a preemption names the step it saved
+    saved_step = exc.step if isinstance(exc, signals.SavedThenStopped) else 3  # a save names the step it saved
     assert err["step"] == saved_step and err["rank"] == 1 and err["message"]
+
+
+@pytest.mark.parametrize("exc", [signals.Preempted(14, "/runs/r/checkpoint_00000014", 2),
+                                 signals.Stopped(14, "/runs/r/checkpoint_00000014", signal.SIGINT)],
+                         ids=["preempted", "stopped"])
+def test_a_saved_stop_reaches_the_driver_whole(exc):
+    """Ray pickles a worker's exception for the driver: it comes back the same exception, with its step, checkpoint
+    and words (not a TypeError in the driver's log)."""
+    import ray.cloudpickle
+
+    back = ray.cloudpickle.loads(ray.cloudpickle.dumps(exc))
+    assert (type(back), back.step, back.checkpoint, str(back)) == (type(exc), exc.step, exc.checkpoint, str(exc))
 
 
 # Two gloo ranks all-reducing until rank 1 is SIGKILLed; rank 0 prints how `failures.describe` records the error
@@ -325,9 +338,13 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
-def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, signum):
-    cmd, env, run_dir = _driver(tmp_path, "sig", train={"max_steps": 5000, "warmup_steps": 1},
-                                logging={"every_steps": 2})
+def test_a_stopped_driver_has_the_workers_save_at_their_next_log_step_and_a_rerun_resumes_there(tmp_path, signum):
+    """A signal to the driver (a Ctrl-C; the head pod's `ray job stop` on `helm uninstall`): the ranks save at their
+    next log step, the record says `cancelled` with that checkpoint, the workers end, and the same command resumes
+    from the save, training no step twice (a constant learning rate after warmup: the rerun's nearer end leaves the
+    schedule alone). No worker says it is saving when Ray ends it afterwards."""
+    cmd, env, run_dir = _driver(tmp_path, "sig", train={"max_steps": 5000, "warmup_steps": 1, "min_lr_ratio": 1.0},
+                                logging={"every_steps": 2}, checkpoint={"every_steps": 1000, "export": False})
     with open(tmp_path / "driver.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -343,11 +360,24 @@ def test_signal_to_the_driver_cancels_the_run_and_stops_its_workers(tmp_path, si
     validate(record)
     assert record["status"] == "cancelled" and record["ended_at"], record["error"]
     err = record["error"]
-    assert (err["class"], err["reason"], err["exception"]) == ("cancelled", "signal", "Cancelled")
-    assert signal.Signals(signum).name in err["message"] and err["rank"] is None
-    assert err["step"] >= 2 and err["step"] == record["metrics"]["steps"]
+    assert (err["class"], err["reason"], err["exception"], err["rank"]) == ("cancelled", "signal", "Stopped", 0), err
+    saved = err["step"]
+    assert signal.Signals(signum).name in err["message"] and f"checkpoint_{saved:08d}" in err["message"], err
+    assert saved % 2 == 0 and saved == record["metrics"]["steps"], (saved, record["metrics"])  # a log step, the last
+    assert record["checkpoints"]["latest"].endswith(f"checkpoint_{saved:08d}")
+    assert checkpoints.latest_complete(run_dir).endswith(f"checkpoint_{saved:08d}")
+    assert "saving a checkpoint" not in output, output[-3000:]
     _wait_for(lambda: _gone(worker), 30, f"worker {worker} to end")  # the workers are stopped, not orphaned
     assert lease_lib.read_heartbeat(run_dir)["final"] is True
+    if signum == signal.SIGINT:
+        return
+    again = subprocess.run([*cmd, "--set", f"train.max_steps={saved + 2}", "--set", "checkpoint.every_steps=0"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    record = run_record.load_record(run_dir)
+    assert record["status"] == "succeeded" and record["extra"]["resumed_from"]["step"] == saved
+    assert record["previous_attempts"][0]["status"] == "cancelled"
+    assert [r["step"] for r in _trained(run_dir)] == list(range(2, saved + 3, 2)), "each step trained once"
 
 
 @pytest.mark.parametrize("ending", ["succeeded", "cancelled"])
@@ -483,7 +513,7 @@ def test_a_workers_sigterm_is_a_preemption_until_its_loop_returns_then_goes_to_t
     """During the loop a SIGTERM is noted and said, not obeyed; once the loop has returned (Ray ending the worker
     after a finished run) it goes to the handler `catch_preemption` replaced, with no claim of a save."""
     monkeypatch.setattr(signals, "_preemption_signals", [])
-    monkeypatch.setattr(signals, "_loop_returned", [])
+    monkeypatch.setattr(signals, "_sigterm_ends", [])
     replaced = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: replaced.append(signum))
     try:
@@ -539,6 +569,36 @@ def test_sigterm_to_a_worker_saves_at_the_next_step_and_the_retry_resumes_there(
     rows = run_record.read_metrics(run_dir)
     assert [r["step"] for r in rows if r["kind"] == "resume"] == [saved]
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 31))
+
+
+def test_the_head_stagings_refusal_is_recorded_and_ends_its_first_driver(tmp_path):
+    """The chart's staging init container finds a data source missing (templates/_staging.tpl): it records the run
+    `failed`/`data` from its pod (job/driver/staging.py). The driver then started in that pod ends with the same line
+    and exit status 2 before it connects to Ray, adding no record; a later driver of the run in the pod (a warm
+    cluster's next job) and one in another pod check for themselves."""
+    from job.driver import staging
+
+    cmd, env, run_dir = _driver(tmp_path, "staged")
+    env = {**env, "POD_NAME": "staged-head-0", "POD_NAMESPACE": "t-staged"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    line = "run.data.train: /mnt/runs/data/train.jsonl does not exist: copy it there (staging.copies) or point " \
+           "run.data.train at it"
+    staged = subprocess.run([sys.executable, "-m", "job.driver.staging", "--config", cmd[-1], line], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert staged.returncode == 0, staged.stdout + staged.stderr
+    assert "no Event: JOB_RAYJOB, POD_NAMESPACE or KUBERNETES_SERVICE_HOST unset" in staged.stdout
+    refused = run_record.load_record(run_dir)
+    validate(refused)
+    err = refused["error"]
+    assert (refused["status"], err["class"], refused["pod"]["name"]) == ("failed", "data", "staged-head-0"), refused
+    assert line in err["message"] and refused["previous_attempts"] == []
+    driver = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert driver.returncode == 2, driver.stdout[-3000:] + driver.stderr[-3000:]
+    assert f"data error: {line} (found by the head's data staging; in run.json)" in driver.stderr
+    assert "resolved config" not in driver.stdout, "it ended before Ray"
+    assert run_record.load_record(run_dir) == refused, "no second record"
+    assert staging.refused_here(run_dir, {"POD_NAME": "staged-head-0"}) is None, "a driver has beaten since"
+    assert staging.refused_here(run_dir, {"POD_NAME": "another-head"}) is None
 
 
 def test_a_failure_before_rank0_opens_the_record_gets_one_from_the_driver(tmp_path):

@@ -1,7 +1,8 @@
 """The chart's job in real Pods: `helm install` to SUCCEEDED on a real kubelet, asserting on what the run wrote.
 
 `scripts/k8s-up.sh up --real-node` starts the control plane and one real node (containerd + runc, the CNI bridge,
-kubelet, kube-proxy, CoreDNS, the NetworkPolicy controller kube-network-policies) in a network namespace of its own
+kubelet, kube-proxy, CoreDNS, the NetworkPolicy controller: kube-network-policies, or kube-router's firewall where
+the kernel has no nft `queue`) in a network namespace of its own
 (scripts/k8s-node.sh), with the KubeRay operator out of cluster; `scripts/k8s-image.sh import` puts the CPU test
 image (the image set's versions) into the node's containerd. The profile is ci/real-pods-values.yaml: a head and
 two worker pods, one Ray Train worker each, so gloo crosses pods. Each release's claim is a hostPath
@@ -19,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,6 +41,14 @@ KILLED_AT = 200
 # Events, the PodMonitor (the node's API server has prometheus-operator's CRD) and the Grafana dashboard.
 WATCHED = ("--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.grafanaDashboard.enabled=true")
 ANNOTATION = "ray-finetune/"
+# What a job ran on and KubeRay deletes by the chart's rules once it ends (with the RayJob itself).
+RUN_KINDS = {"RayJob", "RayCluster", "Pod", "Job", "Service"}
+# The endings' releases: one worker, small CPU requests (three fit on the node's 2 CPUs at once), a short TTL.
+TTL_S = 5
+SMALL = ("--set", "worker.replicas=1", "--set", "head.cpu=200m", "--set", "worker.cpu=300m",
+         "--set", f"rayJob.ttlSecondsAfterFinished={TTL_S}",
+         "--set-json", 'rayJob.submitterResources={"requests": {"cpu": "100m", "memory": "256Mi"}, '
+                       '"limits": {"cpu": "100m", "memory": "512Mi"}}')
 
 pytestmark = pytest.mark.skipif(os.environ.get("RAY_FINETUNE_REAL_PODS") != "1",
                                 reason="real Pods need root: set RAY_FINETUNE_REAL_PODS=1 (scripts/test.sh does as root)")
@@ -121,7 +131,8 @@ class Node(ControlPlane):
             f"{pod}:8080", namespace, "metrics", _preload_content=False, _request_timeout=10).data.decode()
         return {m[1]: float(m[2]) for m in re.finditer(r"^(ray_finetune_\w+\{[^}]*\}) (\S+)$", text, re.M)}
 
-    def wait_for_job_end(self, namespace: str, timeout_s: float = 900, watch=None) -> dict:
+    def wait_for_job_end(self, namespace: str, timeout_s: float = 900, interval_s: float = 3,
+                         watch=None) -> dict:
         """The RayJob's status once it ended; `watch()` is called at each look before (what a run shows live)."""
         def look() -> dict:
             if watch:
@@ -131,10 +142,25 @@ class Node(ControlPlane):
         try:
             return wait_until("the RayJob to end", look,
                               done=lambda s: s.get("jobDeploymentStatus") in ("Complete", "Failed"),
-                              timeout_s=timeout_s, interval_s=3)
+                              timeout_s=timeout_s, interval_s=interval_s)
         except pytest.fail.Exception:
             print(self.diagnose(namespace))
             raise
+
+    def ran_on(self, namespace: str) -> dict[str, list[str]]:
+        """What the release's job ran on that is still there (`RUN_KINDS`)."""
+        return {kind: names for kind, names in self.leftovers(namespace).items() if kind in RUN_KINDS}
+
+    def nothing_left_after_ttl(self, namespace: str, ended: float, ttl_s: float = TTL_S) -> None:
+        """Nothing the job ran on is left `ttl_s` + 60 s after it ended (`ended`, monotonic seconds)."""
+        wait_until(f"nothing the job of {namespace} ran on left {ttl_s} + 60 s after it ended",
+                   lambda: self.ran_on(namespace), done=lambda left: not left,
+                   timeout_s=max(ended + ttl_s + 60 - time.monotonic(), 0), interval_s=2)
+
+    def events(self, namespace: str, reason: str) -> list[str]:
+        """The messages of the Events on the namespace's RayJob with `reason`."""
+        return [e.message for e in self.core.list_namespaced_event(namespace).items
+                if e.involved_object.kind == "RayJob" and e.reason == reason]
 
 
 @pytest.fixture(scope="module")
@@ -371,10 +397,13 @@ HEAD_PORTS = {"6379": "GCS", "8265": "dashboard"}
 
 
 def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
-    """The chart's NetworkPolicy, enforced by kube-network-policies: a Pod outside the release cannot open the head's
-    GCS or dashboard port (job submission: code execution with the release's token and claim), while the release's
-    own Pods still form the cluster and the run SUCCEEDs. The operator, out of cluster, reaches the dashboard through
-    the API server, whose connections come from the node's bridge address: `networkPolicy.extraFrom` admits it."""
+    """The chart's NetworkPolicy, enforced by the node's controller (kube-network-policies, or kube-router's firewall
+    where nft has no `queue`): a Pod outside the release cannot open the head's GCS or dashboard port (job
+    submission: code execution with the release's token and claim), while the release's own Pods still form the
+    cluster and the run SUCCEEDs. The operator, out of cluster, reaches the dashboard through the API server, whose
+    connections come from the node's bridge address: `networkPolicy.extraFrom` admits it. kube-network-policies drops
+    the outsider's packets (its connections time out), kube-router rejects them (refused: both ports listen, so
+    nothing but the policy refuses)."""
     unenforced = node.state / "NETWORK_POLICIES_UNENFORCED"
     if unenforced.exists():
         pytest.skip(f"NetworkPolicy not enforced on this node (docs/chart.md, \"Real pods\"): "
@@ -397,7 +426,8 @@ def test_network_policy_keeps_other_pods_off_the_head_while_the_run_works(node):
         wait_until("the probe Pod to end", lambda: node.core.read_namespaced_pod("probe", outsider).status.phase,
                    done=lambda phase: phase in ("Succeeded", "Failed"), timeout_s=120, interval_s=2)
         reached = dict(line.split(" ", 1) for line in node.log("probe", outsider).splitlines())
-        assert reached == {port: "timed out" for port in HEAD_PORTS}, f"{reached} ({HEAD_PORTS})"
+        assert reached.keys() == HEAD_PORTS.keys() and set(reached.values()) <= {"timed out", "refused"}, \
+            f"{reached} ({HEAD_PORTS})"
         status = node.wait_for_job_end(namespace)
         assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
     finally:  # a failure here must not leave the node's CPU taken for the tests after it
@@ -437,20 +467,132 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
 
 def test_a_job_that_cannot_start_fails_by_its_deadline_with_a_readable_reason(node):
     """Neither a missing image nor a request the node cannot hold hangs: the RayJob fails once
-    `rayJob.preRunningDeadlineSeconds` has passed, and the Pods say why. One release with both: the head's image
-    is not on the node (pull policy Never) and each worker asks more CPU than the node has."""
+    `rayJob.preRunningDeadlineSeconds` has passed, and the Pods say why; its rules then delete the RayJob with its
+    cluster and Pods at the TTL. One release with both: the head's image is not on the node (pull policy Never) and
+    each worker asks more CPU than the node has."""
     release = "nostart"
     namespace = node.install(release, *PROFILE, "--set", "image.tag=no-such-tag", "--set", "worker.cpu=3",
-                             "--set", "rayJob.preRunningDeadlineSeconds=30")
-    status = node.wait_for_job_end(namespace, timeout_s=240)
+                             "--set", "rayJob.preRunningDeadlineSeconds=30",
+                             "--set", f"rayJob.ttlSecondsAfterFinished={TTL_S}")
+
+    def reasons() -> dict[str, set[str]]:
+        seen: dict[str, set[str]] = {}
+        for pod in node.pods(namespace):
+            seen.setdefault(pod.metadata.labels.get("ray.io/node-type"), set()).update(
+                {c.state.waiting.reason for c in pod.status.container_statuses or () if c.state.waiting},
+                {c.reason for c in pod.status.conditions or () if c.reason})
+        return seen
+
+    seen = wait_until("the head's ErrImageNeverPull and the workers' Unschedulable", reasons,
+                      done=lambda r: "ErrImageNeverPull" in r.get("head", ()) and "Unschedulable" in r.get("worker", ()),
+                      timeout_s=120, interval_s=2)
+    print(f"why the Pods did not start: {seen}")
+    status = node.wait_for_job_end(namespace, timeout_s=240, interval_s=1)
+    ended = time.monotonic()
     print(f"RayJob that could not start: {status}")
     assert (status["jobDeploymentStatus"], status.get("reason")) == ("Failed", "PreRunningDeadlineExceeded"), status
-    reasons = {}
-    for pod in node.pods(namespace):
-        node_type = pod.metadata.labels.get("ray.io/node-type")
-        reasons.setdefault(node_type, set()).update(
-            {c.state.waiting.reason for c in pod.status.container_statuses or () if c.state.waiting},
-            {c.reason for c in pod.status.conditions or () if c.reason})
-    assert "ErrImageNeverPull" in reasons.get("head", ()), reasons
-    assert "Unschedulable" in reasons.get("worker", ()), reasons
+    node.nothing_left_after_ttl(namespace, ended)
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+
+
+def test_an_uninstall_mid_run_saves_and_the_reinstall_resumes_there_then_leaves_nothing_at_its_ttl(node):
+    """`helm uninstall` of a running job: KubeRay stops the Ray job (`ray job stop`: SIGTERM to the driver), whose
+    driver has the workers save at their next log step and records the run `cancelled` at that checkpoint before it
+    stops them; nothing of the job is left. The re-install resumes from that save, trains no step twice, succeeds,
+    and its RayJob, cluster, Pods and submitter Job are gone once its TTL has passed (the chart's deletion rules)."""
+    release, checkpoint_every = "stop", 50
+    namespace, saved = node.install_long_run(release, 3000, checkpoint_every,
+                                             "--set", f"rayJob.ttlSecondsAfterFinished={TTL_S}")
+    trained = lambda: max((r["step"] for r in node.metrics(release, "train")), default=0)  # noqa: E731
+    wait_until("steps after the first checkpoint", trained, done=lambda step: step > saved["step"] + 5, interval_s=0.2)
+    node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+    wait_until(f"nothing of {release} left in {namespace}", lambda: node.ran_on(namespace),
+               done=lambda left: not left, timeout_s=120, interval_s=2)
+    record = node.record(release)
+    err = record["error"] or {}
+    assert (record["status"], err.get("class"), err.get("exception")) == ("cancelled", "signal", "Stopped"), record
+    stopped = err["step"]
+    assert stopped > saved["step"] + 5, (saved, err)  # uninstalled after those steps: the stop's own save
+    assert record["checkpoints"]["latest"].endswith(f"checkpoint_{stopped:08d}"), record["checkpoints"]
+    assert (node.run_dir(release) / f"checkpoint_{stopped:08d}").is_dir()
+
+    end = stopped + 20
+    namespace = node.install(release, *PROFILE, "--set", f"run.train.max_steps={end}",
+                             "--set", f"run.checkpoint.every_steps={checkpoint_every}",
+                             "--set", f"run.eval.every_steps={end}", "--set", f"rayJob.ttlSecondsAfterFinished={TTL_S}")
+    status = node.wait_for_job_end(namespace, interval_s=1)
+    ended = time.monotonic()
+    assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+    record = node.record(release)
+    assert record["status"] == "succeeded" and record["previous_attempts"][-1]["status"] == "cancelled"
+    assert [r["step"] for r in node.metrics(release, "resume")] == [stopped]
+    assert [r["step"] for r in node.metrics(release, "train")] == list(range(1, end + 1)), "each step trained once"
+    node.nothing_left_after_ttl(namespace, ended)
+    node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+
+
+# Each a release that ends another way, all at once on the node (`SMALL`).
+ENDINGS = {
+    # A data source that is not there: the head's data staging says so in seconds (an Event, run.json), the driver
+    # ends the run with it.
+    "missing data": ("--set", "run.data.train=/mnt/runs/no-such/train.txt"),
+    # A bug in training: a rank's exception at step 5, no retry.
+    "failed in training": ("--set", "run.debug.fail_at_step=5", "--set", "run.debug.fail_mode=exception",
+                           "--set", "run.scaling.max_failures=0"),
+    # The RayJob's active deadline, while it trains: KubeRay fails the RayJob but leaves the Ray job running; its
+    # deletion at the TTL stops it, and the driver has the workers save first.
+    "active deadline": ("--set", "rayJob.activeDeadlineSeconds=180", "--set", "run.train.max_steps=100000",
+                        "--set", "run.eval.every_steps=100000", "--set", "run.checkpoint.every_steps=100"),
+}
+
+
+def test_every_failed_ending_says_why_and_leaves_nothing_after_its_ttl(node):
+    """Three releases at once, each ending another way; each says why on its RayJob and in run.json, and nothing
+    it ran on (its RayJob, RayCluster, Pods, submitter Job, Services) is left once its TTL has passed: the chart's
+    rules name `jobDeploymentStatus: Failed`, which a deadline leaves with jobStatus RUNNING (kuberay#5184)."""
+    installed = time.monotonic()
+    releases = {ending: f"end-{i}" for i, ending in enumerate(ENDINGS)}
+    namespaces = {ending: node.install(releases[ending], *PROFILE, *SMALL, *args) for ending, args in ENDINGS.items()}
+    try:
+        data = namespaces["missing data"]
+        (event,) = wait_until("the staging's Event on the RayJob", lambda: node.events(data, "DataStagingFailed"),
+                              timeout_s=max(installed + 30 - time.monotonic(), 0), interval_s=1)
+        assert event.startswith("run.data.train: /mnt/runs/no-such/train.txt does not exist"), event
+        record = node.record(releases["missing data"])
+        assert (record["status"], record["error"]["class"]) == ("failed", "data") and event in record["error"]["message"]
+
+        left = dict(namespaces)
+        statuses = {}
+        while left:  # each ending's TTL counts from its own end
+            for ending, namespace in list(left.items()):
+                status = node.job_status(namespace)
+                if status.get("jobDeploymentStatus") in ("Complete", "Failed"):
+                    statuses[ending] = (status, time.monotonic())
+                    del left[ending]
+            assert time.monotonic() < installed + 900, {e: node.job_status(n) for e, n in left.items()}
+            time.sleep(1)
+        print({ending: status for ending, (status, _) in statuses.items()})
+        for ending, (status, ended) in statuses.items():
+            node.nothing_left_after_ttl(namespaces[ending], ended)
+
+        status = statuses["missing data"][0]
+        assert (status["jobDeploymentStatus"], status.get("reason"), status.get("jobStatus")) == \
+            ("Failed", "AppFailed", "FAILED"), status
+        assert "run.data.train: /mnt/runs/no-such/train.txt does not exist" in status.get("message", ""), status
+        assert node.record(releases["missing data"]) == record, "the driver added no record"
+
+        status = statuses["failed in training"][0]
+        assert (status["jobDeploymentStatus"], status.get("reason"), status.get("jobStatus")) == \
+            ("Failed", "AppFailed", "FAILED"), status
+        record = node.record(releases["failed in training"])
+        assert record["status"] == "failed" and "injected failure at step 5" in record["error"]["message"], record
+
+        status = statuses["active deadline"][0]
+        assert (status["jobDeploymentStatus"], status.get("reason"), status.get("jobStatus")) == \
+            ("Failed", "DeadlineExceeded", "RUNNING"), status
+        record = node.record(releases["active deadline"])
+        assert (record["status"], record["error"]["exception"]) == ("cancelled", "Stopped"), record["error"]
+    finally:  # the node's CPU free for the tests after it
+        for ending, namespace in namespaces.items():
+            node.helm("uninstall", releases[ending], "--namespace", namespace, "--wait", "--timeout", "120s",
+                      check=False)

@@ -11,10 +11,9 @@ import copy
 import dataclasses
 import os
 import sys
+import threading
 import time
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from .. import config as config_lib
 from .. import signals, storage
@@ -27,8 +26,12 @@ from ..rules import is_hub_source
 from ..worker.contract import Launcher, LoopConfig
 from . import watch
 
+if TYPE_CHECKING:
+    import torch
+
 # The training loop (the model, FSDP2, the compiler) is imported where a worker runs it: the driver only launches
-# it, and those imports took ~5 of its ~10 s on 2 cores.
+# it, and those imports took ~5 of its ~10 s on 2 cores. torch itself is imported only where torchrun's processes
+# use it, so that the head's data staging (`staging`, which needs this module's paths) starts without it.
 
 
 class ClusterLost(RuntimeError):
@@ -253,11 +256,29 @@ def _autoscaler_groups() -> list[tuple[dict, int]] | None:
 
 
 class RayLauncher(Launcher):
-    """A Ray Train worker: Ray Train made the process group and chose the device; the driver draws rank 0's bar."""
+    """A Ray Train worker: Ray Train made the process group and chose the device; the driver draws rank 0's bar;
+    a thread waits on the driver's `signals.StopRequest`."""
 
-    def __init__(self, driver_tty: bool):
+    def __init__(self, driver_tty: bool, stop_request=None):
         self.driver_tty = driver_tty
         """Whether the driver's stderr, where the bar is drawn, is a terminal (the worker's is a log file)."""
+        self._stop_signal: int | None = None
+        if stop_request is not None:
+            threading.Thread(target=self._await_stop, args=(stop_request,), name="job-stop-request",
+                             daemon=True).start()
+
+    def _await_stop(self, stop_request) -> None:
+        import ray
+
+        try:
+            signum = ray.get(stop_request.requested.remote())
+        except Exception:  # the driver and its actor gone: Ray ends this worker with them
+            return
+        signals.stop_catching_preemption()  # the driver ends the workers once they saved, or its wait is over
+        self._stop_signal = signum
+
+    def stop_requested(self) -> int | None:
+        return self._stop_signal
 
     def setup_device(self, use_gpu: bool) -> torch.device:
         import ray.train.torch
@@ -288,6 +309,9 @@ class TorchrunLauncher(Launcher):
     """A torchrun process: the process group is created here; rank 0 draws its own bar; no one to report to."""
 
     def setup_device(self, use_gpu: bool) -> torch.device:
+        import torch
+        import torch.distributed as dist
+
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
         if not dist.is_initialized():
@@ -299,22 +323,29 @@ class TorchrunLauncher(Launcher):
         return progress_style(setting, terminal=is_terminal(sys.stderr), via_ray_driver=False)
 
 
-def ray_loop_config(loop_config: LoopConfig) -> dict:
-    """Ray Train's `train_loop_config`: `loop_config`'s fields as a plain dict, plus `driver_tty`; read back in each
-    worker by `ray_worker_args`."""
+def ray_loop_config(loop_config: LoopConfig, stop_request=None) -> dict:
+    """Ray Train's `train_loop_config`: `loop_config`'s fields as a plain dict, plus `driver_tty` and the driver's
+    `stop_request` (a `signals.StopRequest` actor); read back in each worker by `ray_worker_args`."""
     fields = {f.name: getattr(loop_config, f.name) for f in dataclasses.fields(loop_config)}
-    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": is_terminal(sys.stderr)}
+    return {**fields, "cfg": config_lib.to_dict(loop_config.cfg), "driver_tty": is_terminal(sys.stderr),
+            "stop_request": stop_request}
 
 
 def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:
     """In a Ray worker, `train_loop`'s arguments from `ray_loop_config`'s dict."""
     fields = dict(train_loop_config)
-    launcher = RayLauncher(driver_tty=fields.pop("driver_tty"))
+    launcher = RayLauncher(driver_tty=fields.pop("driver_tty"), stop_request=fields.pop("stop_request", None))
     return LoopConfig(**{**fields, "cfg": config_lib.load_dict(fields["cfg"])}), launcher
 
 
 def ray_train_loop(train_loop_config: dict) -> None:
-    """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`."""
+    """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`; nothing in a worker group that
+    Ray Train started after the driver was stopped (a retry racing the stop)."""
+    import ray
+
+    stop_request = train_loop_config.get("stop_request")
+    if stop_request is not None and ray.get(stop_request.pending.remote()) is not None:
+        return
     loop_config, launcher = ray_worker_args(train_loop_config)
     loop_config.startup["workers"] = time.time()  # Ray Train's part ends here; the training code's imports follow
     from ..worker.train import train_loop  # here, not at the top: keeps the driver's start short
@@ -332,9 +363,10 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
 
     connect_ray(cfg)
     storage_path, name = loop_config.run_dir.rsplit("/", 1)
+    stop_request = stop_request_actor()
     trainer = trainer_class(TorchTrainer, loop_config.run_dir)(
         ray_train_loop,
-        train_loop_config=ray_loop_config(loop_config),
+        train_loop_config=ray_loop_config(loop_config, stop_request),
         scaling_config=ScalingConfig(
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
@@ -353,12 +385,8 @@ def run_with_ray(cfg: config_lib.RunConfig, loop_config: LoopConfig) -> str | No
     try:
         trainer.fit()
     except KeyboardInterrupt as e:  # SIGINT/SIGTERM to the driver (watch.driver_watch)
-        # Closed first (a pod's grace period may be short), then the workers stopped; `driver_watch` closes it
-        # again should rank 0 have rewritten it (at start or in `build`) before it was stopped.
         cancelled = watch.as_cancelled(e)
-        run_record.close_if_running(loop_config.run_dir, "cancelled", cancelled, attempt=this_attempt)
-        print(f"{cancelled}: stopping the workers", flush=True)
-        abort(trainer)
+        stop(trainer, stop_request, loop_config.run_dir, cancelled, this_attempt)
         raise cancelled from None
     except WorkerGroupError as e:
         messages = {rank: worker_failure(exc) for rank, exc in e.worker_failures.items()}
@@ -393,6 +421,36 @@ def attempt(cfg: config_lib.RunConfig, started_at: float) -> dict:
     return {"started_at": started_at, "config": config_lib.to_dict(cfg), "config_text": config_lib.to_yaml(cfg),
             "run_name": cfg.name, "seed": cfg.train.seed,
             "logs": failures.attempt_logs(run_directory(cfg), started_at)}
+
+
+def stop_request_actor():
+    """The run's `signals.StopRequest`, a Ray actor on the driver's node (it lives as long as the driver, whatever
+    happens to the workers' nodes), taking no CPU."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(signals.StopRequest).options(num_cpus=0, scheduling_strategy=here).remote()
+
+
+def stop(trainer, stop_request, run_dir: str, cancelled: signals.Cancelled, this_attempt: dict) -> None:
+    """A stopped driver's end of the run: it asks the ranks to save at their next log step and end
+    (`signals.StopRequest`), waits for rank 0 to record that (`watch.await_stop_save`: while this attempt trains, at
+    most `watch.stop_save_wait_s`; a second signal ends the wait), closes the record `cancelled` if no save closed
+    it, and only then stops the workers."""
+    import ray
+
+    print(f"{cancelled}", flush=True)
+    try:
+        ray.get(stop_request.request.remote(cancelled.signum), timeout=10)
+        watch.await_stop_save(run_dir, this_attempt["started_at"])
+    except KeyboardInterrupt:
+        print("a second signal: stopping the workers without waiting for their save", flush=True)
+    except Exception as e:  # the request's actor unreachable: nothing to wait for
+        print(f"cannot ask the workers to save ({type(e).__name__}: {_one_line(e)[:300]})", flush=True)
+    run_record.close_if_running(run_dir, "cancelled", cancelled, attempt=this_attempt)
+    print("stopping the workers", flush=True)
+    abort(trainer)
 
 
 def abort(trainer, timeout_s: float = 15.0) -> None:
@@ -490,6 +548,8 @@ def resume_hint(run_dir: str) -> str:
 
 
 def run_with_torchrun(loop_config: LoopConfig) -> None:
+    import torch.distributed as dist
+
     from ..worker.train import train_loop  # here, not at the top: keeps the driver's start short
 
     try:

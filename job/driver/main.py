@@ -19,7 +19,7 @@ from ..common.checkpoints import CheckpointError, ResumeRefused
 from ..common.sources import DataError
 from ..records import failures, run_record
 from ..records import lease as lease_lib
-from . import follow, launch, watch
+from . import follow, launch, staging, watch
 
 
 def run(args: argparse.Namespace, started_at: float, imported_at: float) -> int:
@@ -36,11 +36,15 @@ def _run(args: argparse.Namespace, started_at: float, imported_at: float, held: 
         cfg = launch.resolve_paths(config_lib.load(args.config, args.set))
         packages.check_config(cfg)  # a missing optional package fails here, before any worker starts
         run_dir = launch.run_directory(cfg)
+        staged_refusal = staging.refused_here(run_dir)  # read before this driver's heartbeat
         launch.check_before_start(cfg, run_dir)
         if os.environ.get("RANK", "0") == "0":  # torchrun's rank 0 holds it for all its processes
             held.callback(follow.DriverLog(run_dir, started_at).close)
             held.enter_context(watch.hold(run_dir))
         recordable = run_dir
+        if staged_refusal:
+            print(f"data error: {staged_refusal} (found by the head's data staging; in run.json)", file=sys.stderr)
+            return 2
         if not launch.under_torchrun():
             follower = follow.Follower(run_dir, cfg.name, cfg.train.max_steps, started_at,
                                        follow.RayJobReporter.from_env())

@@ -17,7 +17,7 @@ import socket
 import sys
 
 from .. import storage
-from ..signals import Preempted
+from ..signals import SavedThenStopped
 
 CLASSES = ("infrastructure", "data", "config", "model", "cancelled", "unknown")
 COLLECTIVE_REASONS = ("nccl", "hang")
@@ -26,6 +26,7 @@ COLLECTIVE_REASONS = ("nccl", "hang")
 # (exception type name, class, reason), first match wins; matched against every type in each exception's MRO.
 _BY_TYPE = (
     ("Preempted", "infrastructure", "preempted"),
+    ("Stopped", "cancelled", "signal"),  # the driver's signal, the ranks' save made first
     ("KeyboardInterrupt", "cancelled", "signal"),
     ("ClusterLost", "infrastructure", "cluster_lost"),  # before the Ray actor errors it wraps
     ("OutOfMemoryError", "infrastructure", "out_of_memory"),  # torch's (CUDA) and Ray's (host memory monitor)
@@ -118,7 +119,7 @@ def describe(exc: BaseException | str | dict | None, *, step: int | None = None,
     if isinstance(exc, str):
         return error("unknown", "exception", exc, step=step, rank=rank)
     cls, reason, decisive = classify(exc)
-    if isinstance(decisive, Preempted):  # the step it saved, which the last logged step may precede
+    if isinstance(decisive, SavedThenStopped):  # the step it saved, which the last logged step may precede
         step = decisive.step
     message = " ".join(f"{type(exc).__name__}: {exc}".split())[:2000]
     return error(cls, reason, message, exception=type(decisive).__name__, step=step, rank=rank)

@@ -389,7 +389,7 @@ def close_if_running(run_dir: str, status: str, error: BaseException | dict, *, 
         record = None
     except (OSError, ValueError):  # half written or corrupt: not this driver's to judge
         return None
-    earlier = record is None or (attempt is not None and not _opened_since(record, attempt["started_at"]))
+    earlier = record is None or (attempt is not None and not opened_since(record, attempt["started_at"]))
     try:
         if not earlier and record.get("status") == "running":
             return finish_record(run_dir, record, status=status, error=error, rank=rank)
@@ -422,7 +422,7 @@ def record_group_failure(run_dir: str, errors: dict[int, BaseException], *, atte
         print(f"{run_dir}/{RUN_RECORD}: cannot name the lost rank: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
-def _opened_since(record: dict, since: float) -> bool:
+def opened_since(record: dict, since: float) -> bool:
     """Whether `record` was opened at or after epoch second `since` (its `started_at` has whole seconds)."""
     try:
         return _dt.datetime.fromisoformat(record["started_at"]).timestamp() >= int(since)

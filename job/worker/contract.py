@@ -39,7 +39,7 @@ class LoopConfig:
 
 class Launcher:
     """What the loop asks of the launcher that started its process, never which one it is: device and process
-    group, progress bar, final report, preemption. One per worker process (`launch.RayLauncher`,
+    group, progress bar, final report, preemption, a stopped driver's request. One per worker process (`launch.RayLauncher`,
     `launch.TorchrunLauncher`)."""
 
     def setup_device(self, use_gpu: bool) -> torch.device:
@@ -57,3 +57,8 @@ class Launcher:
         """Whether this worker was asked to stop for a preemption: a SIGTERM to its process
         (`signals.catch_preemption`); a flag read, cheap enough for any step."""
         return signals.preemption_signalled()
+
+    def stop_requested(self) -> int | None:
+        """The signal that stopped the driver, once it asked the ranks to save and end (`signals.StopRequest`), else
+        None; a flag read, cheap enough for any step. None here: torchrun has no driver to ask."""
+        return None

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config as config_lib
-from ..signals import Preempted
+from ..signals import Preempted, Stopped
 from .checkpoint.writer import Checkpointer
 from .metrics import MetricsLogger, Timeline
 from .watchdog import LossSpikes
@@ -100,6 +100,11 @@ class LogTotals(NamedTuple):
     """How many ranks have no checkpoint write in flight."""
     preempted: int
     """How many ranks were asked to stop for a preemption: the ranks agree to stop at this step."""
+    stopping: int
+    """How many ranks the stopped driver asked to save and end (`Launcher.stop_requested`): the ranks agree to stop
+    at this step, ending the run."""
+    stop_signal: int
+    """The signal that stopped the driver (every rank asked was given the same), when `stopping`."""
 
 
 @dataclass
@@ -156,8 +161,9 @@ class LogStep(Part):
     rank (`LoopState.synced`), in one all-reduce."""
 
     def __init__(self, worker: Worker, checkpointer: Checkpointer, preempted: Callable[[], bool],
-                 flops_per_token: float, peak_flops: float | None):
-        self.worker, self.checkpointer, self.preempted = worker, checkpointer, preempted
+                 stop_requested: Callable[[], int | None], flops_per_token: float, peak_flops: float | None):
+        self.worker, self.checkpointer = worker, checkpointer
+        self.preempted, self.stop_requested = preempted, stop_requested
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         train = worker.cfg.train
         self.spikes = LossSpikes(train.loss_spike_factor, train.loss_spike_intervals)
@@ -190,21 +196,24 @@ class LogStep(Part):
     def all_reduce(self, interval: Interval) -> LogTotals:
         """The log step's all-reduce: the interval's sums, with each rank's flags beside them."""
         names = list(interval.metrics)
-        flags = torch.tensor([float(self.checkpointer.write_done()), float(self.preempted())],
-                             device=self.worker.device)
+        stop_signal = self.stop_requested() or 0
+        flags = torch.tensor([float(self.checkpointer.write_done()), float(self.preempted()), float(stop_signal > 0),
+                              float(stop_signal)], device=self.worker.device)
         totals = torch.cat([torch.stack([interval.loss_sum, interval.units, *(interval.metrics[n] for n in names)]),
                             flags])
         dist.all_reduce(totals)
         sums, units = torch.cat([totals[:1], totals[2:len(names) + 2]]), totals[1]
         # One read of the device, which syncs with it, so the interval's time is real.
-        mean_loss, *means, writes_done, preempted = torch.cat([sums / units, totals[-2:]]).tolist()
-        return LogTotals(mean_loss, dict(zip(names, means)), int(writes_done), int(preempted))
+        mean_loss, *means, writes_done, preempted, stopping, signals_sum = \
+            torch.cat([sums / units, totals[-len(flags):]]).tolist()
+        return LogTotals(mean_loss, dict(zip(names, means)), int(writes_done), int(preempted), int(stopping),
+                         int(signals_sum) // max(int(stopping), 1))
 
 
 class Checkpointing(Part):
     """Saves beside the steps (`Checkpointer`). A save comes before the evaluations of its step, so its write
-    overlaps them; a preemption before the last step ends the attempt after its save (`Preempted`), within the
-    grace period."""
+    overlaps them; before the last step, a preemption ends the attempt after its save (`Preempted`), within the
+    grace period, and a stopped driver's request ends the run after its save (`Stopped`)."""
 
     def __init__(self, worker: Worker, checkpointer: Checkpointer, model, optimizer: torch.optim.Optimizer,
                  start_step: int):
@@ -218,22 +227,23 @@ class Checkpointing(Part):
 
     def due(self, state: LoopState) -> bool:
         return (state.step == self.staging_step or self.writes_done(state) or self.checkpointer.due(state.step)
-                or self.preempting(state) > 0)
+                or self.stopping(state))
 
     def run(self, state: LoopState) -> None:
         if state.step == self.staging_step:
             self.checkpointer.prepare_staging(self.model, self.optimizer)
         if self.writes_done(state):
             self.complete(state)
-        if self.checkpointer.due(state.step) or self.preempting(state):
+        if self.checkpointer.due(state.step) or self.stopping(state):
             self.save(state)
 
     def writes_done(self, state: LoopState) -> bool:
         return state.synced is not None and state.synced.writes_done == self.worker.world
 
     @staticmethod
-    def preempting(state: LoopState) -> int:
-        return state.synced.preempted if state.synced is not None else 0
+    def stopping(state: LoopState) -> bool:
+        """Whether the ranks agreed at this step's log step to save and end (a preemption, a stopped driver)."""
+        return state.synced is not None and (state.synced.preempted > 0 or state.synced.stopping > 0)
 
     def save(self, state: LoopState) -> None:
         worker, step = self.worker, state.step
@@ -243,9 +253,12 @@ class Checkpointing(Part):
             self.complete(state)
             self.checkpointer.save(step, self.model, self.optimizer, last=step == worker.cfg.train.max_steps)
             worker.timeline.checkpoint_blocking_s.append(time.perf_counter() - start)
-            if self.preempting(state) and step < worker.cfg.train.max_steps:
+            if self.stopping(state) and step < worker.cfg.train.max_steps:
                 self.complete(state)
-                raise Preempted(step, state.latest_checkpoint, self.preempting(state))
+                synced = state.synced
+                if synced.stopping:  # the run ends: the driver's request outranks a preemption's retry
+                    raise Stopped(step, state.latest_checkpoint, synced.stop_signal)
+                raise Preempted(step, state.latest_checkpoint, synced.preempted)
 
     def finite_probe(self, state: LoopState) -> tuple[float, float]:
         """The running loss sum and the last gradient norm as host numbers (a sync; only before a save)."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import config as config_lib
 from ..records import failures, nccl, run_record
 from ..records import preflight as preflight_lib
-from ..signals import Preempted
+from ..signals import SavedThenStopped, Stopped
 from . import compile_cache, schedule
 from .build import build
 from .contract import Launcher, LoopConfig
@@ -74,17 +74,19 @@ def train_loop(loop_config: LoopConfig, launcher: Launcher) -> None:
     try:
         results = (make_pairs if cfg.mode == "pairs" else fit)(loop_config, launcher, device, record, timeline)
     except BaseException as exc:
-        preempted = isinstance(exc, Preempted)
-        if not preempted:
+        saved = isinstance(exc, SavedThenStopped)
+        if not saved:
             failures.save_traceback(run_dir, loop_config.started_at, rank, exc)
         if record:  # a Ctrl-C in a terminal reaches the workers too: cancelled, not failed
-            status = "cancelled" if isinstance(exc, KeyboardInterrupt) else "failed"
-            saved = {"checkpoints": {"dir": run_dir, "latest": exc.checkpoint, "keep_last": cfg.checkpoint.keep_last}
-                     } if preempted else {}
+            status = "cancelled" if isinstance(exc, (KeyboardInterrupt, Stopped)) else "failed"
+            checkpoints = {"checkpoints": {"dir": run_dir, "latest": exc.checkpoint,
+                                           "keep_last": cfg.checkpoint.keep_last}} if saved else {}
             run_record.finish_record(run_dir, record, status=status, error=exc, rank=rank, time=timeline.summary(),
-                                   **saved)
-        if preempted:  # every rank ends together, once rank 0's record says so (Ray stops the group at the first)
+                                   **checkpoints)
+        if saved:  # every rank ends together, once rank 0's record says so (Ray stops the group at the first)
             dist.barrier()
+        if isinstance(exc, Stopped):  # the run ends here, recorded: an error would have Ray Train retry it
+            return
         raise
     if record:
         run_record.finish_record(run_dir, record, **results)
