@@ -34,6 +34,22 @@ def lora_reference(ray_cluster, tmp_path_factory):
     return _run(cfg)
 
 
+def train_adapters(lm, cfg: config_lib.RunConfig, steps: int = 3) -> None:
+    """`steps` optimizer steps of `lm` (adapters added) on one CPU process, asserting the optimizer holds the
+    adapters and nothing else."""
+    model = parallelize(CausalLMWithLoss(lm), cfg.parallel, device_mesh("cpu", 1, 0), bf16=False)
+    optimizer = build_optimizer(model, cfg.train)
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert {n for n, p in model.named_parameters() if id(p) in optimized} == {
+        n for n, _ in model.named_parameters() if is_adapter(n)}
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        loss_sum, n = model(ids, ids)
+        (loss_sum / n).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path, single_process):
     cfg = config_lib.load_dict(tiny_run_config(tmp_path, model={"lora": {"rank": 4}}))
     lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
@@ -41,17 +57,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path, sing
     with pytest.raises(ConfigError, match=r"^model\.lora\.targets: qkv match\(es\) no linear layer of Qwen2ForCausalLM"):
         add_adapters(lm, LoraConfig(rank=4, targets=["q_proj", "qkv"]))
     assert len(add_adapters(lm, cfg.model.lora)) == 2 * 7  # 2 layers x (4 attention + 3 MLP projections)
-    model = parallelize(CausalLMWithLoss(lm), cfg.parallel, device_mesh("cpu", 1, 0), bf16=False)
-    optimizer = build_optimizer(model, cfg.train)
-    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    assert {n for n, p in model.named_parameters() if id(p) in optimized} == {
-        n for n, _ in model.named_parameters() if is_adapter(n)}
-    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(3):
-        loss_sum, n = model(ids, ids)
-        (loss_sum / n).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_adapters(lm, cfg)
     after = lm.state_dict()
     assert {k for k in after if not is_adapter(k)} == base.keys()
     changed = [name for name, tensor in base.items() if not torch.equal(after[name], tensor)]

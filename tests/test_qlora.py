@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 from test_checkpoint import MAX_STEPS, _assert_same_training, _final_weights, _records, _run
+from test_lora import train_adapters
 
 from conftest import REPO, tiny_run_config
 from job import config as config_lib
@@ -71,10 +72,8 @@ def lora_on_the_same_base(ray_cluster, tmp_path_factory, base_dir):
 
 def test_only_the_adapters_train_and_the_nf4_base_stays_bit_identical(tmp_path, single_process):
     from job.worker.model import nf4
-    from job.worker.model.causal_lm import CausalLMWithLoss, build_causal_lm
+    from job.worker.model.causal_lm import build_causal_lm
     from job.worker.model.lora import add_adapters, is_adapter
-    from job.worker.model.parallelize import device_mesh, parallelize
-    from job.worker.optimizer import build_optimizer
 
     cfg = _qcfg(tmp_path, "q", model={"lora": QLORA})
     lm = build_causal_lm(cfg.model, 512, cfg.train.seed)
@@ -89,17 +88,7 @@ def test_only_the_adapters_train_and_the_nf4_base_stays_bit_identical(tmp_path, 
 
     base = frozen_state()
     add_adapters(lm, cfg.model.lora)
-    model = parallelize(CausalLMWithLoss(lm), cfg.parallel, device_mesh("cpu", 1, 0), bf16=False)
-    optimizer = build_optimizer(model, cfg.train)
-    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    assert {n for n, p in model.named_parameters() if id(p) in optimized} == {
-        n for n, _ in model.named_parameters() if is_adapter(n)}
-    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(3):
-        loss_sum, n = model(ids, ids)
-        (loss_sum / n).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_adapters(lm, cfg)
     after = frozen_state()
     assert after.keys() == base.keys()
     assert not [name for name in base if not torch.equal(after[name], base[name])], "frozen weights changed"
