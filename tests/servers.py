@@ -59,16 +59,22 @@ def oci_registry() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def static_http(root: Path) -> Iterator[str]:
-    """`root` served over HTTP on 127.0.0.1: its URL."""
-    port = free_port()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def http_server(handler) -> Iterator[str]:
+    """`handler` (a `BaseHTTPRequestHandler` class) serving on 127.0.0.1 in a thread: its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def static_http(root: Path):
+    """`root` served over HTTP on 127.0.0.1: its URL."""
+    return http_server(functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root)))
 
 
 @contextlib.contextmanager

@@ -8,12 +8,12 @@ import importlib.metadata
 import json
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
 import jsonschema
 import pytest
+from servers import http_server
 
 from job.commands import compare
 from job.config import ExpectConfig
@@ -345,17 +345,10 @@ def fake_api(tmp_path):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
     token = tmp_path / "token"
     token.write_text("test-token\n")
-    try:
-        yield {"url": f"http://127.0.0.1:{server.server_address[1]}", "token": str(token), "seen": seen}
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with http_server(Handler) as url:
+        yield {"url": url, "token": str(token), "seen": seen}
 
 
 def test_pod_image_from_fake_api(fake_api, tmp_path):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import http.server
 import json
 import sys
-import threading
 
 import pytest
+from servers import http_server
 
 from job.common import kubeapi
 from job.driver import follow
@@ -62,18 +62,11 @@ def api(tmp_path):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
     token = tmp_path / "token"
     token.write_text("test-token\n")
-    state["api"] = kubeapi.InCluster(f"http://127.0.0.1:{server.server_address[1]}", str(token), None)
-    try:
+    with http_server(Handler) as url:
+        state["api"] = kubeapi.InCluster(url, str(token), None)
         yield state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 SUBMISSION = {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"metadata": {"job_submission_id": "raysubmit_mine"}})}
