@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -68,6 +69,24 @@ def qlora_reference(ray_cluster, tmp_path_factory, base_dir):
 def lora_on_the_same_base(ray_cluster, tmp_path_factory, base_dir):
     return _run(_run_config(tmp_path_factory.mktemp("lora-ref"), "lora-same-base", base_dir,
                             {k: v for k, v in QLORA.items() if k != "quantize_base"}))
+
+
+def test_the_base_is_built_one_fp32_module_at_a_time(tmp_path, monkeypatch):
+    """Each weight's fp32 values are freed once it is quantized, before the next module is made: the device holds the
+    NF4 model so far plus one module in fp32 (a 7B base must be built on a 24 GB card, not only trained there)."""
+    from job.worker.model import causal_lm, nf4
+
+    quantize, inputs = nf4.quantize, []
+
+    def quantize_and_watch(weight):
+        assert all(seen() is None for seen in inputs), "an fp32 weight outlived its quantization"
+        inputs.append(weakref.ref(weight))
+        return quantize(weight)
+
+    monkeypatch.setattr(nf4, "quantize", quantize_and_watch)
+    cfg = _qcfg(tmp_path, "q", model={"lora": QLORA})
+    causal_lm.build_causal_lm(cfg.model, 512, cfg.train.seed)
+    assert len(inputs) == 2 * 7
 
 
 def test_only_the_adapters_train_and_the_nf4_base_stays_bit_identical(tmp_path, single_process):

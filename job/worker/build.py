@@ -123,6 +123,7 @@ def build(loop_config: LoopConfig, launcher: Launcher, device: torch.device, rec
                 "lora_layers": len(adapted), **base_memory(model, cfg.model.lora),
                 "flops_per_token": flops_tok, "world_size": world,
                 "mesh": list(mesh.shape), "sharded": isinstance(model, FSDPModule), "device": str(device), "bf16": bf16,
+                **setup_peak(device),
                 "data": dataset.fingerprint, "data_cache": data_cache, "compile_cache": cache_state})
     if reference is not None:
         worker.log({**reference, "step": start_step})
@@ -175,6 +176,14 @@ def start_watchdog(worker: Worker, record: dict | None, start_step: int) -> Watc
 
 def method(lora: config_lib.LoraConfig) -> str:
     return "qlora" if lora.quantize_base else "lora"
+
+
+def setup_peak(device: torch.device) -> dict:
+    """The start record's peak of the device's memory so far (the model's build, sharding and reference pass), which
+    the loop's own peak (reset as it begins) does not include: a QLoRA base must fit while it is built too."""
+    if device.type != "cuda":
+        return {}
+    return {"setup_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
 def base_memory(model: CausalLMWithLoss, lora: config_lib.LoraConfig) -> dict:

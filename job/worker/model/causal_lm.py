@@ -115,7 +115,8 @@ def build_module_by_module(cfg: ModelConfig, vocab_size: int | None, seed: int, 
     torch.manual_seed(seed)
     made: dict[nn.Parameter, nn.Parameter] = {}  # meta parameter -> its tensor: tied weights stay one tensor
     for name, module in lm.named_modules():
-        fresh = [key for key, param in module._parameters.items() if param is not None and param not in made]
+        metas = dict(module._parameters)
+        fresh = [key for key, param in metas.items() if param is not None and param not in made]
         for key, param in module._parameters.items():
             if param is not None:
                 if param not in made:
@@ -132,7 +133,8 @@ def build_module_by_module(cfg: ModelConfig, vocab_size: int | None, seed: int, 
                     module._parameters[key].copy_(files.tensor(f"{name}.{key}" if name else key))
         if quantize and "weight" in fresh and isinstance(module, nn.Linear) and cfg.lora.adapts(name) \
                 and nf4.quantizable(module.weight):
-            module.weight = nf4.quantize(module.weight)
+            # `made` keeps the NF4 weight, not the fp32 one: that is freed now, before the next module is made
+            module.weight = made[metas["weight"]] = nf4.quantize(module.weight)
     if files is not None:
         lm.eval()  # as `from_pretrained` returns it
         with suppress(OSError):
