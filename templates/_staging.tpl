@@ -91,8 +91,10 @@ env:
     value: {{ $sources | quote }}
   - name: RUN_CONFIG
     value: {{ include "ray-finetune.runConfigPath" . }}
-  - name: JOB_RAYJOB  # the RayJob a failure is told on (an Event)
+  {{- if not .Values.monitoring.rayJob }}
+  - name: JOB_RAYJOB  # the RayJob a failure is told on (an Event); with monitoring.rayJob the env above has it
     value: {{ include "ray-finetune.rayJobName" . }}
+  {{- end }}
 {{- with .Values.storage.existingSecret }}
 envFrom:
   - secretRef:

@@ -538,7 +538,7 @@ def test_staging_copies_once_then_checks_the_data(tmp_path):
     missing = run_container_script(init, {**paths, "DATA_SOURCES": json.dumps({"run.data.train": f"{claim}/nothing.jsonl"})})
     line = f"run.data.train: {claim}/nothing.jsonl does not exist: copy it there (staging.copies) or point run.data.train at it"
     assert missing.returncode == 0 and line in missing.stdout, missing.stdout + missing.stderr
-    assert "no Event: JOB_RAYJOB unset" in missing.stdout
+    assert "no Event: not running in Kubernetes (KUBERNETES_SERVICE_HOST unset)" in missing.stdout
     record = json.loads((claim / "exp1" / "run.json").read_text())
     assert (record["status"], record["error"]["class"], record["pod"]["name"]) == ("failed", "data", "exp1-head")
     assert line in record["error"]["message"]
@@ -875,6 +875,19 @@ def test_role_is_least_privilege():
     ]
     role, rayjob = rules("--set", "monitoring.rayJob=false")
     assert role == base(rayjob)
+
+
+def test_no_container_has_a_variable_twice():
+    """The API server refuses a pod template with a variable twice in one container's env (`helm template` and the
+    CRD schema do not): the staging's JOB_RAYJOB beside the shared env's, with and without monitoring.rayJob."""
+    for args in ((), ("--set", "monitoring.rayJob=false")):
+        for name, group in ray_pod_specs(render(*args, "-f", "values/gsm8k.yaml", "--set", "run.data.train=/mnt/runs/datasets/gsm8k/train.jsonl")):
+            spec = group["template"]["spec"]
+            for container in spec["containers"] + spec.get("initContainers", []):
+                names = [e["name"] for e in container.get("env", [])]
+                assert len(names) == len(set(names)), (args, name, container["name"], names)
+                if container["name"] == "stage-data":
+                    assert "JOB_RAYJOB" in names, (args, names)
 
 
 def test_the_driver_is_told_its_rayjob_only_with_monitoring_rayjob():

@@ -20,6 +20,7 @@ import time
 from typing import Mapping
 
 from .. import config as config_lib
+from ..common import kubeapi
 from ..common.sources import DataError
 from ..records import lease as lease_lib
 from ..records import run_record
@@ -68,12 +69,15 @@ def refused_here(run_dir: str, env: Mapping[str, str] = os.environ) -> str | Non
 def tell_rayjob(message: str, env: Mapping[str, str] = os.environ) -> None:
     """A Warning Event with `message` on the RayJob `JOB_RAYJOB` names, with its uid (`kubectl describe` matches on
     it). Said, never raised, when it cannot be posted."""
-    if not env.get(follow.RAYJOB_ENV):
-        print(f"no Event: {follow.RAYJOB_ENV} unset", flush=True)
+    name = env.get(follow.RAYJOB_ENV)
+    try:
+        if not name:
+            raise kubeapi.ApiError(f"{follow.RAYJOB_ENV} unset")
+        api = kubeapi.InCluster.from_env(env)
+    except kubeapi.ApiError as e:
+        print(f"no Event: {e}", flush=True)
         return
-    reporter = follow.RayJobReporter.from_env(env)
-    if reporter is None:  # not in Kubernetes: said
-        return
+    reporter = follow.RayJobReporter(api, kubeapi.pod_namespace(env) or "default", name, env.get("POD_NAME"))
     reporter.check_submission(env)
     reporter.event("Warning", EVENT_REASON, message)
 
