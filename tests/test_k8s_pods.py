@@ -243,7 +243,8 @@ def test_a_deleted_worker_pod_is_survived_by_resuming(node, finished):
     assert finished.victim not in finished.workers, "the deleted worker Pod replaced"
     record = node.record(finished.release)
     resume, killed = node.metrics(finished.release, "resume")  # after the deleted Pod, after the killed rank
-    assert finished.saved["step"] <= resume["step"] < KILLED_AT <= killed["step"], (finished.saved, resume, killed)
+    # rank 1 dies as step KILLED_AT begins: the third attempt resumes from the last checkpoint before it
+    assert finished.saved["step"] <= resume["step"] < killed["step"] < KILLED_AT, (finished.saved, resume, killed)
     assert record["extra"]["resumed_from"]["step"] == killed["step"], record["extra"]
 
 
@@ -327,7 +328,8 @@ def test_uninstall_leaves_no_pod_container_or_job(node, finished, tmp_path):
     driver = (logs / "driver.log").read_text()
     assert "# resolved config" in driver and f"run directory: /mnt/runs/{release}" in driver, driver[-2000:]
     assert "(RayTrainWorker pid=" in driver, "the workers' output, as the driver forwarded it"
-    assert "Connection closed by peer" in (logs / "rank0.log").read_text(), "rank 0's traceback of the killed rank 1"
+    assert re.search(r"Connection (closed|reset) by peer", (logs / "rank0.log").read_text()), \
+        "rank 0's traceback of the killed rank 1"
     upgraded = sorted(p for p in (run_dir / "logs").iterdir() if p != logs)  # the upgrade's driver
     assert upgraded and "is already complete" in (upgraded[-1] / "driver.log").read_text()
     report = subprocess.run([sys.executable, "-m", "job", "report", str(run_dir), "--no-plots", "--out", str(tmp_path)],
@@ -510,7 +512,8 @@ def test_an_uninstall_mid_run_saves_and_the_reinstall_resumes_there_then_leaves_
                done=lambda left: not left, timeout_s=120, interval_s=2)
     record = node.record(release)
     err = record["error"] or {}
-    assert (record["status"], err.get("class"), err.get("exception")) == ("cancelled", "signal", "Stopped"), record
+    assert (record["status"], err.get("class"), err.get("reason"), err.get("exception")) == \
+        ("cancelled", "cancelled", "signal", "Stopped"), record
     stopped = err["step"]
     assert stopped > saved["step"] + 5, (saved, err)  # uninstalled after those steps: the stop's own save
     assert record["checkpoints"]["latest"].endswith(f"checkpoint_{stopped:08d}"), record["checkpoints"]
@@ -558,6 +561,9 @@ def test_every_failed_ending_says_why_and_leaves_nothing_after_its_ttl(node):
         (event,) = wait_until("the staging's Event on the RayJob", lambda: node.events(data, "DataStagingFailed"),
                               timeout_s=max(installed + 30 - time.monotonic(), 0), interval_s=1)
         assert event.startswith("run.data.train: /mnt/runs/no-such/train.txt does not exist"), event
+        # the Event first, then the record (job/driver/staging.py), within seconds
+        recorded = lambda: (node.run_dir(releases["missing data"]) / "run.json").exists()  # noqa: E731
+        wait_until("the staging's run.json", recorded, timeout_s=max(installed + 45 - time.monotonic(), 0), interval_s=1)
         record = node.record(releases["missing data"])
         assert (record["status"], record["error"]["class"]) == ("failed", "data") and event in record["error"]["message"]
 
