@@ -328,15 +328,17 @@ def test_uninstall_leaves_no_pod_container_or_job(node, finished, tmp_path):
     driver = (logs / "driver.log").read_text()
     assert "# resolved config" in driver and f"run directory: /mnt/runs/{release}" in driver, driver[-2000:]
     assert "(RayTrainWorker pid=" in driver, "the workers' output, as the driver forwarded it"
-    assert re.search(r"Connection (closed|reset) by peer", (logs / "rank0.log").read_text()), \
-        "rank 0's traceback of the killed rank 1"
+    assert "debug.fail_at_step: rank 1" in driver, "the killed rank's last line, as the driver forwarded it"
+    # A rank that raised leaves its traceback (rank 0's gloo error, when the killed rank's loss reaches it before
+    # Ray Train stops the group: not every time)
+    tracebacks = sorted(p.name for p in logs.glob("rank*.log"))
     upgraded = sorted(p for p in (run_dir / "logs").iterdir() if p != logs)  # the upgrade's driver
     assert upgraded and "is already complete" in (upgraded[-1] / "driver.log").read_text()
     report = subprocess.run([sys.executable, "-m", "job", "report", str(run_dir), "--no-plots", "--out", str(tmp_path)],
                             cwd=REPO, capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
     text = (tmp_path / "report.md").read_text()
-    assert f"- `{logs.name}/`: driver.log (" in text and "rank0.log (" in text
+    assert f"- `{logs.name}/`: driver.log (" in text and all(f"{name} (" in text for name in tracebacks), tracebacks
     assert f"The end of `{upgraded[-1].name}/driver.log`" in text and "Nothing to train" in text
 
 
@@ -500,8 +502,10 @@ def test_a_job_that_cannot_start_fails_by_its_deadline_with_a_readable_reason(no
 def test_an_uninstall_mid_run_saves_and_the_reinstall_resumes_there_then_leaves_nothing_at_its_ttl(node):
     """`helm uninstall` of a running job: KubeRay stops the Ray job (`ray job stop`: SIGTERM to the driver), whose
     driver has the workers save at their next log step and records the run `cancelled` at that checkpoint before it
-    stops them; nothing of the job is left. The re-install resumes from that save, trains no step twice, succeeds,
-    and its RayJob, cluster, Pods and submitter Job are gone once its TTL has passed (the chart's deletion rules)."""
+    stops them; nothing of the job is left. The Pods' own SIGTERMs race that stop: where they reach the workers
+    first, the ranks save for a preemption instead (`failed`/`preempted` at that checkpoint, seen once in three
+    runs). Either way the re-install resumes from that save, trains no step twice, succeeds, and its RayJob,
+    cluster, Pods and submitter Job are gone once its TTL has passed (the chart's deletion rules)."""
     release, checkpoint_every = "stop", 50
     namespace, saved = node.install_long_run(release, 3000, checkpoint_every,
                                              "--set", f"rayJob.ttlSecondsAfterFinished={TTL_S}")
@@ -512,8 +516,8 @@ def test_an_uninstall_mid_run_saves_and_the_reinstall_resumes_there_then_leaves_
                done=lambda left: not left, timeout_s=120, interval_s=2)
     record = node.record(release)
     err = record["error"] or {}
-    assert (record["status"], err.get("class"), err.get("reason"), err.get("exception")) == \
-        ("cancelled", "cancelled", "signal", "Stopped"), record
+    assert (record["status"], err.get("class"), err.get("reason"), err.get("exception")) in (
+        ("cancelled", "cancelled", "signal", "Stopped"), ("failed", "infrastructure", "preempted", "Preempted")), record
     stopped = err["step"]
     assert stopped > saved["step"] + 5, (saved, err)  # uninstalled after those steps: the stop's own save
     assert record["checkpoints"]["latest"].endswith(f"checkpoint_{stopped:08d}"), record["checkpoints"]
