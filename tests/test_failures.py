@@ -337,6 +337,22 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def test_a_lost_stop_request_neither_blocks_nor_fails_the_worker_groups_after_it(ray_cluster):
+    """The driver's `StopRequest` lost with the node it was placed on (a deleted worker Pod): Ray restarts it and
+    retries the call, and one that cannot be reached at all reads as no stop. Asked directly, a dead actor failed
+    every later worker group at once, which Ray Train retried as a preemption without end (seen on real pods)."""
+    import ray
+
+    request = launch.stop_request_actor()
+    assert launch.stop_pending(request) is False
+    ray.kill(request, no_restart=False)  # its node lost: restarted, empty
+    assert launch.stop_pending(request) is False
+    ray.get(request.request.remote(15))
+    assert launch.stop_pending(request) is True
+    ray.kill(request, no_restart=True)
+    assert launch.stop_pending(request, timeout_s=10) is False
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_a_stopped_driver_has_the_workers_save_at_their_next_log_step_and_a_rerun_resumes_there(tmp_path, signum):
     """A signal to the driver (a Ctrl-C; the head pod's `ray job stop` on `helm uninstall`): the ranks save at their

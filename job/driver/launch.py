@@ -341,10 +341,8 @@ def ray_worker_args(train_loop_config: dict) -> tuple[LoopConfig, RayLauncher]:
 def ray_train_loop(train_loop_config: dict) -> None:
     """What each Ray Train worker runs: `train.train_loop`, under a `RayLauncher`; nothing in a worker group that
     Ray Train started after the driver was stopped (a retry racing the stop)."""
-    import ray
-
     stop_request = train_loop_config.get("stop_request")
-    if stop_request is not None and ray.get(stop_request.pending.remote()) is not None:
+    if stop_request is not None and stop_pending(stop_request):
         return
     loop_config, launcher = ray_worker_args(train_loop_config)
     loop_config.startup["workers"] = time.time()  # Ray Train's part ends here; the training code's imports follow
@@ -424,13 +422,28 @@ def attempt(cfg: config_lib.RunConfig, started_at: float) -> dict:
 
 
 def stop_request_actor():
-    """The run's `signals.StopRequest`, a Ray actor on the driver's node (it lives as long as the driver, whatever
-    happens to the workers' nodes), taking no CPU."""
+    """The run's `signals.StopRequest`, a Ray actor taking no CPU, preferably on the driver's node. Ray may place it
+    elsewhere (a worker's node, which a preemption takes away): it is then restarted, empty, and its calls retried,
+    so that a lost node never leaves the worker groups after it a dead actor to ask (`stop_pending`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    return ray.remote(signals.StopRequest).options(num_cpus=0, scheduling_strategy=here).remote()
+    return ray.remote(signals.StopRequest).options(num_cpus=0, scheduling_strategy=here, max_restarts=-1,
+                                                   max_task_retries=-1).remote()
+
+
+def stop_pending(stop_request, timeout_s: float = 30.0) -> bool:
+    """Whether the driver asked the ranks to stop before this worker group started. A request that cannot be read
+    (its actor lost, restarting) counts as none, said once: a stop then still ends the workers, without their save;
+    it must never fail a worker group, which Ray Train would retry as a preemption without end."""
+    import ray
+
+    try:
+        return ray.get(stop_request.pending.remote(), timeout=timeout_s) is not None
+    except Exception as e:
+        print(f"the driver's stop request cannot be read ({type(e).__name__}): training on", flush=True)
+        return False
 
 
 def stop(trainer, stop_request, run_dir: str, cancelled: signals.Cancelled, this_attempt: dict) -> None:
