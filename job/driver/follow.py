@@ -183,17 +183,24 @@ class RayJobReporter:
         self.off = False
 
     @classmethod
+    def in_cluster(cls, env) -> RayJobReporter:
+        """The reporter of the RayJob `JOB_RAYJOB` names; `kubeapi.ApiError` without one or outside Kubernetes."""
+        if not env.get(RAYJOB_ENV):
+            raise kubeapi.ApiError(f"{RAYJOB_ENV} unset")
+        return cls(kubeapi.InCluster.from_env(env), kubeapi.pod_namespace(env) or "default", env[RAYJOB_ENV],
+                   env.get("POD_NAME"))
+
+    @classmethod
     def from_env(cls, env=None) -> RayJobReporter | None:
         """The reporter of the RayJob `JOB_RAYJOB` names, or None without one; outside Kubernetes one warning."""
         env = os.environ if env is None else env
         if not env.get(RAYJOB_ENV):
             return None
         try:
-            api = kubeapi.InCluster.from_env(env)
+            return cls.in_cluster(env)
         except kubeapi.ApiError as e:
             print(f"warning: RayJob {env[RAYJOB_ENV]}: no annotations or Events: {e}", flush=True)
             return None
-        return cls(api, kubeapi.pod_namespace(env) or "default", env[RAYJOB_ENV], env.get("POD_NAME"))
 
     def _call(self, method: str, path: str, body: dict, content_type: str = "application/json") -> dict | None:
         if self.off:

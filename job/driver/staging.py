@@ -69,15 +69,11 @@ def refused_here(run_dir: str, env: Mapping[str, str] = os.environ) -> str | Non
 def tell_rayjob(message: str, env: Mapping[str, str] = os.environ) -> None:
     """A Warning Event with `message` on the RayJob `JOB_RAYJOB` names, with its uid (`kubectl describe` matches on
     it). Said, never raised, when it cannot be posted."""
-    name = env.get(follow.RAYJOB_ENV)
     try:
-        if not name:
-            raise kubeapi.ApiError(f"{follow.RAYJOB_ENV} unset")
-        api = kubeapi.InCluster.from_env(env)
+        reporter = follow.RayJobReporter.in_cluster(env)
     except kubeapi.ApiError as e:
         print(f"no Event: {e}", flush=True)
         return
-    reporter = follow.RayJobReporter(api, kubeapi.pod_namespace(env) or "default", name, env.get("POD_NAME"))
     reporter.check_submission(env)
     reporter.event("Warning", EVENT_REASON, message)
 
