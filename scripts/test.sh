@@ -42,28 +42,54 @@ start_test_image_build() {
     echo "# test image build (background, $log): $((SECONDS - t0)) s (exit $status)" ) &
 }
 
+echo "# disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free here; a run from nothing takes about 35 GB (two venvs" \
+     "with PyPI's CUDA torch, the Go caches, the test image packed and unpacked)"
 leg "setup (.venv, helm)" bash scripts/setup.sh --dev
+# A passing test's tmp_path is deleted when it ends: the checkpoints of the pretrained and resume tests add up to
+# GBs, and pytest keeps three sessions' (CI's disk is shared and ran out once). A failing test's is kept to look at.
+pytest_args=(-q -o tmp_path_retention_policy=failed "$@")
 # The image set's environment (mostly downloads and unpacking) is made in the background beside the pinned tests;
 # the real-pod tests' image is built from it, so they need it even without the image-set tests.
 if [[ "${IMAGE_SET:-1}" != 0 || $REAL_PODS == 1 ]]; then
   image_log=$(mktemp "${TMPDIR:-/tmp}/setup-image.XXXXXX.log")
   ( t0=$SECONDS status=0; bash scripts/setup.sh --image > "$image_log" 2>&1 || status=$?
     echo "# setup (.venv-image, background): $((SECONDS - t0)) s (exit $status)"
+    echo "$status" > "$image_log.status"
     [[ $status == 0 && $REAL_PODS == 1 ]] && start_test_image_build
     exit $status ) &
   image_setup=$!
 fi
-# A passing test's tmp_path is deleted when it ends: the checkpoints of the pretrained and resume tests add up to
-# GBs, and pytest keeps three sessions' (CI's disk is shared and ran out once). A failing test's is kept to look at.
-pytest_args=(-q -o tmp_path_retention_policy=failed "$@" tests)
-leg "pinned tests" .venv/bin/python -m pytest --durations=25 "${pytest_args[@]}"  # the slowest tests: where the suite's time goes
-[[ "${IMAGE_SET:-1}" == 0 ]] && exit 0
+# The real-pod tests run beside the pinned tests, once .venv-image exists (their fixture waits for the node's build
+# and the test image, each under its lock): a third of their time the machine is idle, waiting on the kubelet,
+# KubeRay and the TTLs, which the pinned tests fill (docs/chart.md "Real pods": the legs).
+pinned_args=()
+if [[ $REAL_PODS == 1 ]]; then
+  pods_log=$(mktemp "${TMPDIR:-/tmp}/real-pods.XXXXXX.log")
+  ( until [[ -f $image_log.status ]]; do sleep 2; done
+    [[ $(cat "$image_log.status") == 0 ]] || { echo "# real-pod tests not run: .venv-image was not made"; exit 1; }
+    t0=$SECONDS status=0
+    .venv/bin/python -m pytest --durations=15 "${pytest_args[@]}" tests/test_k8s_pods.py > "$pods_log" 2>&1 || status=$?
+    echo "# real-pod tests (background, beside the pinned tests, $pods_log): $((SECONDS - t0)) s (exit $status)"
+    [[ $status == 5 ]] && status=0  # extra arguments that select none of them
+    exit $status ) &
+  real_pods=$!
+  pinned_args=(--ignore=tests/test_k8s_pods.py)
+  # A run that ends early stops them too: pytest's teardown on SIGINT takes the node down.
+  trap 'report; pkill -INT -P "$real_pods" || true' EXIT
+fi
+status=0
+leg "pinned tests" .venv/bin/python -m pytest --durations=25 "${pytest_args[@]}" "${pinned_args[@]}" tests || status=1
+if [[ $REAL_PODS == 1 ]]; then
+  real_pods_done() { local s=0; wait "$real_pods" || s=$?; cat "$pods_log"; return $s; }
+  leg "real-pod tests: waiting for them" real_pods_done || status=1
+fi
+[[ "${IMAGE_SET:-1}" == 0 ]] && exit $status
 image_setup_done() { wait "$image_setup" || { cat "$image_log"; return 1; }; }
-leg "setup (.venv-image): waiting for it" image_setup_done
+leg "setup (.venv-image): waiting for it" image_setup_done || exit 1
 echo "# the image's library versions: $(.venv-image/bin/python -c 'import platform, ray, torch, transformers
 print(f"Python {platform.python_version()}, Ray {ray.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")')"
-status=0
-leg "image-set tests" .venv-image/bin/python -m pytest -m image_set "${pytest_args[@]}" || status=$?
+image_status=0
+leg "image-set tests" .venv-image/bin/python -m pytest -m image_set "${pytest_args[@]}" tests || image_status=$?
 # Extra arguments may select no image_set test (pytest exit 5): that is not a failure of this set.
-[[ $status == 5 ]] && exit 0
+[[ $image_status == 0 || $image_status == 5 ]] || status=1
 exit $status

@@ -469,36 +469,6 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
-def test_a_job_that_cannot_start_fails_by_its_deadline_with_a_readable_reason(node):
-    """Neither a missing image nor a request the node cannot hold hangs: the RayJob fails once
-    `rayJob.preRunningDeadlineSeconds` has passed, and the Pods say why; its rules then delete the RayJob with its
-    cluster and Pods at the TTL. One release with both: the head's image is not on the node (pull policy Never) and
-    each worker asks more CPU than the node has."""
-    release = "nostart"
-    namespace = node.install(release, *PROFILE, "--set", "image.tag=no-such-tag", "--set", "worker.cpu=3",
-                             "--set", "rayJob.preRunningDeadlineSeconds=30",
-                             "--set", f"rayJob.ttlSecondsAfterFinished={TTL_S}")
-
-    def reasons() -> dict[str, set[str]]:
-        seen: dict[str, set[str]] = {}
-        for pod in node.pods(namespace):
-            seen.setdefault(pod.metadata.labels.get("ray.io/node-type"), set()).update(
-                {c.state.waiting.reason for c in pod.status.container_statuses or () if c.state.waiting},
-                {c.reason for c in pod.status.conditions or () if c.reason})
-        return seen
-
-    seen = wait_until("the head's ErrImageNeverPull and the workers' Unschedulable", reasons,
-                      done=lambda r: "ErrImageNeverPull" in r.get("head", ()) and "Unschedulable" in r.get("worker", ()),
-                      timeout_s=120, interval_s=2)
-    print(f"why the Pods did not start: {seen}")
-    status = node.wait_for_job_end(namespace, timeout_s=240, interval_s=1)
-    ended = time.monotonic()
-    print(f"RayJob that could not start: {status}")
-    assert (status["jobDeploymentStatus"], status.get("reason")) == ("Failed", "PreRunningDeadlineExceeded"), status
-    node.nothing_left_after_ttl(namespace, ended)
-    node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
-
-
 def test_an_uninstall_mid_run_saves_and_the_reinstall_resumes_there_then_leaves_nothing_at_its_ttl(node):
     """`helm uninstall` of a running job: KubeRay stops the Ray job (`ray job stop`: SIGTERM to the driver), whose
     driver has the workers save at their next log step and records the run `cancelled` at that checkpoint before it
@@ -538,7 +508,8 @@ def test_an_uninstall_mid_run_saves_and_the_reinstall_resumes_there_then_leaves_
     node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
-# Each a release that ends another way, all at once on the node (`SMALL`).
+# Each a release that ends another way, all at once on the node (`SMALL`: the three that start take 1.8 of its
+# 2 CPUs; the one that cannot start holds only its head's 100m).
 ENDINGS = {
     # A data source that is not there: the head's data staging says so in seconds (an Event, run.json), the driver
     # ends the run with it.
@@ -548,19 +519,38 @@ ENDINGS = {
                            "--set", "run.scaling.max_failures=0"),
     # The RayJob's active deadline, while it trains: KubeRay fails the RayJob but leaves the Ray job running; its
     # deletion at the TTL stops it, and the driver has the workers save first.
-    "active deadline": ("--set", "rayJob.activeDeadlineSeconds=180", "--set", "run.train.max_steps=100000",
+    "active deadline": ("--set", "rayJob.activeDeadlineSeconds=150", "--set", "run.train.max_steps=100000",
                         "--set", "run.eval.every_steps=100000", "--set", "run.checkpoint.every_steps=100"),
+    # Neither a missing image nor a request the node cannot hold hangs: the head's image is not on the node (pull
+    # policy Never) and each worker asks more CPU than the node has; the RayJob fails by its pre-running deadline.
+    "cannot start": ("--set", "image.tag=no-such-tag", "--set", "head.cpu=100m", "--set", "worker.cpu=3",
+                     "--set", "rayJob.preRunningDeadlineSeconds=60"),
 }
 
 
 def test_every_failed_ending_says_why_and_leaves_nothing_after_its_ttl(node):
-    """Three releases at once, each ending another way; each says why on its RayJob and in run.json, and nothing
-    it ran on (its RayJob, RayCluster, Pods, submitter Job, Services) is left once its TTL has passed: the chart's
-    rules name `jobDeploymentStatus: Failed`, which a deadline leaves with jobStatus RUNNING (kuberay#5184)."""
+    """Four releases at once, each ending another way; each says why on its RayJob (and, once it ran, in
+    run.json), and nothing it ran on (its RayJob, RayCluster, Pods, submitter Job, Services) is left once its TTL
+    has passed: the chart's rules name `jobDeploymentStatus: Failed`, which a deadline leaves with jobStatus
+    RUNNING (kuberay#5184)."""
     installed = time.monotonic()
     releases = {ending: f"end-{i}" for i, ending in enumerate(ENDINGS)}
     namespaces = {ending: node.install(releases[ending], *PROFILE, *SMALL, *args) for ending, args in ENDINGS.items()}
     try:
+        unstarted = namespaces["cannot start"]
+
+        def reasons() -> dict[str, set[str]]:
+            seen: dict[str, set[str]] = {}
+            for pod in node.pods(unstarted):
+                seen.setdefault(pod.metadata.labels.get("ray.io/node-type"), set()).update(
+                    {c.state.waiting.reason for c in pod.status.container_statuses or () if c.state.waiting},
+                    {c.reason for c in pod.status.conditions or () if c.reason})
+            return seen
+
+        seen = wait_until("the head's ErrImageNeverPull and the workers' Unschedulable", reasons,
+                          done=lambda r: "ErrImageNeverPull" in r.get("head", ()) and "Unschedulable" in r.get("worker", ()),
+                          timeout_s=60, interval_s=1)
+        print(f"why the Pods did not start: {seen}")
         data = namespaces["missing data"]
         (event,) = wait_until("the staging's Event on the RayJob", lambda: node.events(data, "DataStagingFailed"),
                               timeout_s=max(installed + 30 - time.monotonic(), 0), interval_s=1)
@@ -602,6 +592,9 @@ def test_every_failed_ending_says_why_and_leaves_nothing_after_its_ttl(node):
             ("Failed", "DeadlineExceeded", "RUNNING"), status
         record = node.record(releases["active deadline"])
         assert (record["status"], record["error"]["exception"]) == ("cancelled", "Stopped"), record["error"]
+
+        status = statuses["cannot start"][0]
+        assert (status["jobDeploymentStatus"], status.get("reason")) == ("Failed", "PreRunningDeadlineExceeded"), status
     finally:  # the node's CPU free for the tests after it
         for ending, namespace in namespaces.items():
             node.helm("uninstall", releases[ending], "--namespace", namespace, "--wait", "--timeout", "120s",
