@@ -65,6 +65,26 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(tmp_path, sing
     assert all(after[k].abs().sum() > 0 for k in after if ".lora_B." in k), "the adapters trained"
 
 
+def test_adapters_on_a_loaded_base_are_drawn_from_the_runs_seed(tmp_path):
+    """A pretrained base draws nothing while it loads: its adapters come from the run's seed, not from whatever the
+    process drew before (which differed between two runs of one config, and so did their losses from step 2), and
+    are the same over the base in NF4 (QLoRA), whose module-by-module build draws values the files replace."""
+    cfg = config_lib.load_dict(tiny_run_config(tmp_path))
+    build_causal_lm(cfg.model, 512, cfg.train.seed).save_pretrained(tmp_path / "base")
+
+    def adapters(drawn_before: int, **lora) -> dict[str, torch.Tensor]:
+        model = config_lib.load_dict(tiny_run_config(tmp_path, model={
+            "init": "pretrained", "path": str(tmp_path / "base"), "preset": None, "lora": {"rank": 4, **lora}})).model
+        torch.rand(drawn_before)
+        lm = build_causal_lm(model, None, cfg.train.seed)
+        add_adapters(lm, model.lora)
+        return {k: v for k, v in lm.state_dict().items() if ".lora_A." in k}
+
+    first, second, quantized = adapters(1), adapters(7), adapters(3, quantize_base="nf4")
+    assert first.keys() == second.keys() == quantized.keys() and first
+    assert all(torch.equal(first[k], second[k]) and torch.equal(first[k], quantized[k]) for k in first)
+
+
 def test_resume_refuses_another_base_or_method():
     cfg = config_lib.load_dict({"name": "r", "model": {"preset": "qwen2-tiny", "init": "random", "lora": {"rank": 8}}})
     identity = {**checkpoints.run_identity(cfg, 1, {}), **checkpoints.adapter_identity(cfg, {"files": {"a": "1"}})}

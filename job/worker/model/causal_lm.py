@@ -68,7 +68,9 @@ def weights_fingerprint(cfg: ModelConfig) -> dict:
 
 
 def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int, quantized: bool = True) -> PreTrainedModel:
-    """The causal LM in fp32 on the current default device: loaded, or seeded random init (same on all ranks).
+    """The causal LM in fp32 on the current default device: loaded, or seeded random init (same on all ranks). A
+    loaded base leaves the random generators seeded by `seed`: what is drawn next (LoRA's adapters) is the same on
+    every rank, in every run, and with the base quantized or not.
 
     `vocab_size` (from a trained tokenizer) resizes a preset's vocabulary. With `model.lora.quantize_base` (QLoRA)
     it is built module by module (`build_module_by_module`), the adapters' target weights in NF4 unless
@@ -76,15 +78,19 @@ def build_causal_lm(cfg: ModelConfig, vocab_size: int | None, seed: int, quantiz
     """
     from transformers import AutoModelForCausalLM
 
-    if cfg.lora.quantize_base:
-        return build_module_by_module(cfg, vocab_size, seed, quantized)
     common = dict(attn_implementation=cfg.attn_implementation, dtype=torch.float32)
-    if cfg.init == "pretrained":
-        return AutoModelForCausalLM.from_pretrained(
+    if cfg.lora.quantize_base:
+        lm = build_module_by_module(cfg, vocab_size, seed, quantized)
+    elif cfg.init == "pretrained":
+        lm = AutoModelForCausalLM.from_pretrained(
             cfg.path, revision=cfg.revision, token=os.environ.get("HF_TOKEN"), **cfg.overrides, **common
         )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), **common)
+    else:
+        torch.manual_seed(seed)
+        lm = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size), **common)
+    if cfg.init == "pretrained":  # loaded weights: what the build drew (if anything) was replaced
+        torch.manual_seed(seed)
+    return lm
 
 
 def skeleton(cfg: ModelConfig) -> PreTrainedModel:
