@@ -91,9 +91,10 @@ class FixedAnswers:
         self.answer = tokenizer("#### 7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         self.calls = []
 
-    def __call__(self, lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
+    def __call__(self, lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, capture_allowed=None):
         from job.worker.evaluation.generate import Generated
 
+        assert capture_allowed is None  # decoded in the loop's own thread: its graphs are never held back
         assert (attention_mask[:, -1] == 1).all()  # left padded
         assert eos_token_id is not None  # stops at EOS
         self.calls.append(input_ids.shape[0])
@@ -268,18 +269,20 @@ def _baseline_part(tmp_path, records, rank=0, world=1):
 
 def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_path, monkeypatch, one_rank):
     """`start_baseline` decodes on a copy of the not yet sharded model in a thread while the main thread works
-    (the data's tokenizing); `finish_pending` charges the `task_eval` phase only the wait. Without it (no room
-    beside), `baseline_at_step_0` decodes at once, inside the phase: the same record either way."""
+    (the data's tokenizing), capturing no CUDA graph until the main thread waits for it; `finish_pending` charges the
+    `task_eval` phase only the wait. Without it (no room beside), `baseline_at_step_0` decodes at once, inside the
+    phase: the same record either way."""
     import threading
     from types import SimpleNamespace
 
     records = []
     part = _baseline_part(tmp_path, records)
-    threads, decoded = [], threading.Event()
+    threads, decoded, capture_allowed = [], threading.Event(), []
     decode = task.task_decode
 
     def task_decode(*args):
         threads.append(threading.current_thread())
+        capture_allowed.append(args[7] if len(args) > 7 else None)
         share = decode(*args)
         decoded.set()
         return share
@@ -288,8 +291,11 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
     pending = task.start_baseline(part.model, part.tokenizer, part.items, part.worker.cfg, 0, 1, part.worker.device,
                                   bf16=False)
     assert pending.background and decoded.wait(timeout=300)  # the data would be tokenized meanwhile
+    (gate,) = capture_allowed
+    assert not gate.is_set(), "no capture while the main thread may synchronize the device"
     state = SimpleNamespace(task_results=[])
     part.finish_pending(state, 0, pending)
+    assert gate.is_set()
 
     (record,) = records
     assert threads[0] is not threading.main_thread()
@@ -308,7 +314,7 @@ def test_the_task_baseline_decodes_in_a_thread_and_is_charged_only_its_wait(tmp_
     monkeypatch.setattr(part, "copy", lambda: part.model.lm)
     part.baseline = None
     part.finish_pending(state, 0, part.baseline_at_step_0())
-    assert threads[1] is threading.main_thread()
+    assert threads[1] is threading.main_thread() and capture_allowed[1] is None
     assert records[0]["overlapped_s"] == 0.0 and timeline.seconds["task_eval"] >= records[0]["seconds"]
     same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "overlapped_s")}  # noqa: E731
     assert same(records[0]) == same(record)

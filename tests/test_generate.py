@@ -1,5 +1,7 @@
 """Greedy generation (job/worker/evaluation/generate.py) against Transformers' own greedy loop, token for token, on CPU."""
 
+import threading
+
 import pytest
 import torch
 
@@ -109,6 +111,35 @@ def test_a_failed_capture_goes_on_eagerly_and_says_why():
     decoder.capture = lambda: (None, "eager (CUDA graph capture failed: RuntimeError: not capturable)")
     assert decoder.run(cuda_graph=True).startswith("eager (CUDA graph capture failed")
     assert torch.equal(torch.cat([ids, decoder.new_tokens()], 1), reference(lm, ids, mask, 12, None))
+
+
+def test_a_decoding_beside_other_work_captures_only_once_allowed():
+    """A decoding in a thread beside other device work (the task baseline beside the data and the model's build)
+    steps eagerly until `capture_allowed` is set, since a capture would fail that work's device-wide synchronizes;
+    then it captures and replays as usual, and the result is still `generate`'s."""
+    lm = tiny_lm()
+    ids, mask = left_padded_batch()
+    generate.use_grouped_decode(lm)
+    decoder = generate.StaticDecoder(lm, ids, mask, 20, eos_token_id=None, pad_token_id=0)
+    allowed, events, step = threading.Event(), [], decoder.step
+    allowed_after = generate.WARMUP_STEPS + 4
+
+    class Replayed:
+        def replay(self):
+            events.append("replay")
+            step()
+
+    def eager_step():
+        events.append("eager")
+        step()
+        if events.count("eager") == allowed_after:
+            allowed.set()  # the other thread now only waits for this one
+
+    decoder.step = eager_step
+    decoder.capture = lambda: (events.append("capture"), (Replayed(), "cuda_graph"))[1]
+    assert decoder.run(cuda_graph=True, capture_allowed=allowed) == "cuda_graph"
+    assert events == ["eager"] * allowed_after + ["capture"] + ["replay"] * (20 - 1 - allowed_after)
+    assert torch.equal(torch.cat([ids, decoder.new_tokens()], 1), reference(lm, ids, mask, 20, None))
 
 
 def test_the_generation_copy_switches_its_own_attention_not_the_training_models():

@@ -18,6 +18,7 @@ generations; a step is then device-bound (docs/performance.md, "Where the time g
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,13 +105,17 @@ class Sampling:
 @torch.no_grad()
 def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                     eos_token_id: int | None, pad_token_id: int, cuda_graph: bool = True,
-                    drop_ended_below: float = DROP_ENDED_BELOW, sampling: Sampling | None = None) -> Generated:
+                    drop_ended_below: float = DROP_ENDED_BELOW, sampling: Sampling | None = None,
+                    capture_allowed: threading.Event | None = None) -> Generated:
     """Greedy continuation of the left-padded `input_ids` by `lm`, at most `max_new_tokens` new tokens; with
     `sampling`, sampled instead.
 
     With `eos_token_id`, stops once every row has produced it (ended rows padded with `pad_token_id`); without,
     runs exactly `max_new_tokens` steps. On CUDA the step is a CUDA graph unless `cuda_graph` is False or the
-    capture fails (`decode` says why). `drop_ended_below`: as `DROP_ENDED_BELOW` (0: never).
+    capture fails (`decode` says why). `drop_ended_below`: as `DROP_ENDED_BELOW` (0: never). `capture_allowed`:
+    for a decoding in a thread beside other device work, whose steps stay eager until it is set: while a stream
+    captures, any device-wide synchronize in the process fails (the compiler's benchmarks and the phases' clock
+    make them), so the other thread sets it once it only waits.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
@@ -120,7 +125,7 @@ def greedy_generate(lm: PreTrainedModel, input_ids: torch.Tensor, attention_mask
                                      sampling), f"generate ({why})")
     decoder = StaticDecoder(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, drop_ended_below,
                             sampling)
-    decode = decoder.run(cuda_graph and input_ids.device.type == "cuda")
+    decode = decoder.run(cuda_graph and input_ids.device.type == "cuda", capture_allowed)
     return Generated(torch.cat([input_ids, decoder.new_tokens()], dim=1), decode)
 
 
@@ -210,8 +215,9 @@ class StaticDecoder:
         self.slot.add_(1)
         self.column.add_(1)
 
-    def run(self, cuda_graph: bool) -> str:
-        """The decode steps, until every row has ended or `max_new_tokens` are out; returns how they ran."""
+    def run(self, cuda_graph: bool, capture_allowed: threading.Event | None = None) -> str:
+        """The decode steps, until every row has ended or `max_new_tokens` are out; returns how they ran. Graphs
+        are captured only while `capture_allowed` (if given) is set (`greedy_generate`)."""
         graph, decode, eager_until = None, "eager", WARMUP_STEPS
         while self.produced < self.max_new:
             if self.eos is not None and self.produced % CHECK_EVERY == 0:
@@ -221,7 +227,8 @@ class StaticDecoder:
                 if going < self.drop_ended_below * self.rows.numel():
                     graph, eager_until = None, self.produced  # one eager step at the new batch size, then a capture
                     self.drop_ended()
-            if cuda_graph and graph is None and self.produced > eager_until:
+            if (cuda_graph and graph is None and self.produced > eager_until
+                    and (capture_allowed is None or capture_allowed.is_set())):
                 graph, decode = self.capture()
                 cuda_graph = graph is not None
             graph.replay() if graph is not None else self.step()

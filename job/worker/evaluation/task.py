@@ -8,6 +8,7 @@ batches (`generate.greedy_generate`); only the final counts are summed.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -135,8 +136,10 @@ def kv_cache_bytes(config, batch: int, length: int, dtype: torch.dtype) -> int:
 
 @torch.no_grad()
 def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: list[dict], eval_cfg: EvalConfig,
-                rank: int, world: int, device: torch.device) -> TaskShare:
-    """This rank's share of a task evaluation, decoded and scored; no collectives (it may run in a thread).
+                rank: int, world: int, device: torch.device,
+                capture_allowed: threading.Event | None = None) -> TaskShare:
+    """This rank's share of a task evaluation, decoded and scored; no collectives (it may run in a thread, then
+    with `capture_allowed`: `greedy_generate`).
 
     The share is `rank_items`'s, decoded in batches of `eval.task_batch_size`.
     """
@@ -150,7 +153,7 @@ def task_decode(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, items: 
         prompts = tokenizer([x["prompt"] for x in batch], add_special_tokens=False)["input_ids"]
         ids, mask = left_pad(prompts, pad_id(tokenizer))
         generated = greedy_generate(lm, ids.to(device), mask.to(device), eval_cfg.task_max_new_tokens,
-                                    tokenizer.eos_token_id, pad_id(tokenizer))
+                                    tokenizer.eos_token_id, pad_id(tokenizer), capture_allowed=capture_allowed)
         out = generated.ids
         if generated.decode not in share.decodes:
             share.decodes.append(generated.decode)
@@ -228,12 +231,20 @@ def start_baseline(model: CausalLMWithLoss, tokenizer: PreTrainedTokenizerBase, 
 
     Beside the data's tokenizing (host work) it has the device to itself; beside the first held-out evaluation,
     which compiles, each slows the other (20 s together, 23 s apart): the compiler's benchmarks wait for the device.
-    The thread makes no collective call, so the ranks' collectives stay in one order."""
+    The thread makes no collective call, so the ranks' collectives stay in one order. Its decode steps stay eager
+    until this thread waits for it: a CUDA graph's capture fails any device-wide synchronize made meanwhile, and
+    the work beside it makes them (a DPO run's compiled reference pass died so)."""
     lm = gathered_copy(model, torch.bfloat16 if bf16 else torch.float32, device)
     if not room_to_decode_beside(device, lm, tokenizer, items, cfg.eval, rank, world):
         return None
-    return PendingTaskEval(in_background(task_decode, lm, tokenizer, items, cfg.eval, rank, world, device),
-                           background=True)
+    capture_allowed = threading.Event()
+    decoded = in_background(task_decode, lm, tokenizer, items, cfg.eval, rank, world, device, capture_allowed)
+
+    def wait() -> TaskShare:
+        capture_allowed.set()
+        return decoded()
+
+    return PendingTaskEval(wait, background=True)
 
 
 class TaskEvaluation(Part):
