@@ -2,10 +2,10 @@
 # Issue 53's evidence on the lent GPU machine (docs/preference.md, "Evidence"); logs and results go to $OUT.
 #   bench/device-dpo.sh learn [ARGS]   bench/dpo_learning.py: SFT (values/gsm8k.yaml) -> pairs from its export ->
 #                                      DPO(+NLL) from it, GSM8K exact match at each stage, one table. Needs the
-#                                      prepared weights in /tmp/models/$MODEL (bench/device-finetune.sh receive and
-#                                      prepare; MODEL=qwen2.5-coder-1.5b) and GSM8K in .devdata/gsm8k/; carry .whl and
-#                                      .devdata. ARGS go to the script (e.g. --stages sft, then --stages pairs,dpo in
-#                                      the next call while the machine is warm).
+#                                      prepared weights in /tmp/models/$MODEL (docs/device.md's parts, then
+#                                      bench/device-finetune.sh prepare; MODEL=qwen2.5-coder-1.5b) and GSM8K in
+#                                      .devdata/gsm8k/; carry .whl and .devdata. ARGS go to the script (e.g. --stages
+#                                      sft, then --stages pairs,dpo in the next call while the machine is warm).
 #   bench/device-dpo.sh peer [ARGS]    bench/dpo_peer.py: ours against TRL's DPOTrainer (peft, Liger), full and LoRA,
 #                                      one table; nothing but .whl carried (trl is in it: bench/device-wheels.sh).
 set -uo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The pretrained GSM8K fine-tune on the lent GPU machine (docs/device.md "Carrying the pretrained weights",
-# results in docs/finetune-gsm8k.md). The GGUF weights are larger than one call carries, so they travel in parts:
-#   bench/device-finetune.sh receive N        keep the carried .devdata/part.bin as /tmp/gguf/part.NN (one call each)
+# results in docs/finetune-gsm8k.md). The GGUF weights are larger than one call carries, so they travel in parts,
+# one call each, into /tmp/gguf/ (docs/device.md "Carrying the pretrained weights"); then:
 #   bench/device-finetune.sh prepare MODEL    join /tmp/gguf/part.*, then scripts/prepare_model.py --gguf (sha256
 #                                               checked) writes /tmp/models/MODEL (bf16 safetensors + tokenizer)
 #   bench/device-finetune.sh run [--set K=V]  values/gsm8k.yaml as the chart renders it: the run config is read from
@@ -28,7 +28,7 @@
 #                                               prints the two-row table (bench/fp8_parity.py). ~2.5-3 min per run at
 #                                               ~48k tokens/s; RECIPES "none" then "rowwise" in two calls also works
 #                                               (a finished run is not repeated while the machine stays warm)
-# Carry .whl (bench/device-wheels.sh) for prepare, run and parity; .devdata/part.bin alone for receive.
+# Carry .whl (bench/device-wheels.sh) for prepare, run and parity.
 # Logs and results go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,8 +41,6 @@ run = [d["data"]["run.yaml"] for d in yaml.safe_load_all(sys.stdin) if d and d["
 open("/tmp/run.yaml", "w").write(run[0])' <"${RENDER:-.devdata/gsm8k-render.yaml}"
 }
 case "${1:-}" in
-  receive)
-    mkdir -p /tmp/gguf && cp .devdata/part.bin "/tmp/gguf/part.$(printf %02d "$2")" && ls /tmp/gguf | wc -l ;;
   prepare)
     source bench/device-env.sh || exit 1
     cat /tmp/gguf/part.* > "/tmp/gguf/$2.gguf" && rm -f /tmp/gguf/part.*
@@ -86,6 +84,6 @@ case "${1:-}" in
     for d in "$storage"/parity-*/; do cp "$d/metrics.jsonl" "$out/$(basename "$d")-metrics.jsonl" 2>/dev/null; done
     exit "$rc" ;;
   *)
-    echo "usage: $0 receive N | prepare MODEL | run [--set KEY=VALUE ...] | task-eval [ARGS] | parity [RECIPES] [--set KEY=VALUE ...]" >&2
+    echo "usage: $0 prepare MODEL | run [--set KEY=VALUE ...] | task-eval [ARGS] | parity [RECIPES] [--set KEY=VALUE ...]" >&2
     exit 2 ;;
 esac
