@@ -533,10 +533,25 @@ def test_every_failed_ending_says_why_and_leaves_nothing_after_its_ttl(node):
     run.json), and nothing it ran on (its RayJob, RayCluster, Pods, submitter Job, Services) is left once its TTL
     has passed: the chart's rules name `jobDeploymentStatus: Failed`, which a deadline leaves with jobStatus
     RUNNING (kuberay#5184)."""
-    installed = time.monotonic()
+    began = time.monotonic()
     releases = {ending: f"end-{i}" for i, ending in enumerate(ENDINGS)}
-    namespaces = {ending: node.install(releases[ending], *PROFILE, *SMALL, *args) for ending, args in ENDINGS.items()}
+    namespaces, installed = {}, {}
+    for ending, args in ENDINGS.items():
+        namespaces[ending] = node.install(releases[ending], *PROFILE, *SMALL, *args)
+        installed[ending] = time.monotonic()
     try:
+        # The missing data path's Event within 30 s of its release's install, its record within 45
+        data = namespaces["missing data"]
+        (event,) = wait_until("the staging's Event on the RayJob", lambda: node.events(data, "DataStagingFailed"),
+                              timeout_s=max(installed["missing data"] + 30 - time.monotonic(), 0), interval_s=1)
+        assert event.startswith("run.data.train: /mnt/runs/no-such/train.txt does not exist"), event
+        # the Event first, then the record (job/driver/staging.py), within seconds
+        recorded = lambda: (node.run_dir(releases["missing data"]) / "run.json").exists()  # noqa: E731
+        wait_until("the staging's run.json", recorded,
+                   timeout_s=max(installed["missing data"] + 45 - time.monotonic(), 0), interval_s=1)
+        record = node.record(releases["missing data"])
+        assert (record["status"], record["error"]["class"]) == ("failed", "data") and event in record["error"]["message"]
+
         unstarted = namespaces["cannot start"]
 
         def reasons() -> dict[str, set[str]]:
@@ -551,15 +566,6 @@ def test_every_failed_ending_says_why_and_leaves_nothing_after_its_ttl(node):
                           done=lambda r: "ErrImageNeverPull" in r.get("head", ()) and "Unschedulable" in r.get("worker", ()),
                           timeout_s=60, interval_s=1)
         print(f"why the Pods did not start: {seen}")
-        data = namespaces["missing data"]
-        (event,) = wait_until("the staging's Event on the RayJob", lambda: node.events(data, "DataStagingFailed"),
-                              timeout_s=max(installed + 30 - time.monotonic(), 0), interval_s=1)
-        assert event.startswith("run.data.train: /mnt/runs/no-such/train.txt does not exist"), event
-        # the Event first, then the record (job/driver/staging.py), within seconds
-        recorded = lambda: (node.run_dir(releases["missing data"]) / "run.json").exists()  # noqa: E731
-        wait_until("the staging's run.json", recorded, timeout_s=max(installed + 45 - time.monotonic(), 0), interval_s=1)
-        record = node.record(releases["missing data"])
-        assert (record["status"], record["error"]["class"]) == ("failed", "data") and event in record["error"]["message"]
 
         left = dict(namespaces)
         statuses = {}
@@ -569,7 +575,7 @@ def test_every_failed_ending_says_why_and_leaves_nothing_after_its_ttl(node):
                 if status.get("jobDeploymentStatus") in ("Complete", "Failed"):
                     statuses[ending] = (status, time.monotonic())
                     del left[ending]
-            assert time.monotonic() < installed + 900, {e: node.job_status(n) for e, n in left.items()}
+            assert time.monotonic() < began + 900, {e: node.job_status(n) for e, n in left.items()}
             time.sleep(1)
         print({ending: status for ending, (status, _) in statuses.items()})
         for ending, (status, ended) in statuses.items():
