@@ -337,6 +337,32 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def test_a_lost_rank_whose_poll_still_hung_is_named_before_the_shutdown(tmp_path, ray_cluster):
+    """The race behind a retried attempt blamed on the rank that noticed its peer's loss: Ray Train's poll returned
+    rank 0's gloo error while the killed rank 1's poll still hung. Before the group's shutdown the callback asks the
+    ranks without an error: the dead actor answers `RayActorError`, the live one answers, and rank 1 is the lost one."""
+    from types import SimpleNamespace
+
+    import ray
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        pass
+
+    workers = [SimpleNamespace(actor=Rank.remote()) for _ in range(3)]
+    ray.get([w.actor.__ray_ready__.remote() for w in workers])
+    ray.kill(workers[1].actor, no_restart=True)
+    trainer = launch.trainer_class(TorchTrainer, str(tmp_path))(lambda config: None,
+                                                                scaling_config=ScalingConfig(num_workers=1))
+    (callback,) = [cb for cb in trainer._create_default_callbacks() if type(cb).__name__ == "RecordGroupFailure"]
+    noticed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    callback.after_worker_group_poll_status(SimpleNamespace(errors={0: noticed}))
+    callback.before_worker_group_shutdown(SimpleNamespace(get_workers=lambda: workers))
+    assert failures.lost_ranks(callback.errors) == [1] and callback.errors[0] is noticed and 2 not in callback.errors
+
+
 def test_a_lost_stop_request_neither_blocks_nor_fails_the_worker_groups_after_it(ray_cluster):
     """The driver's `StopRequest` lost with the node it was placed on (a deleted worker Pod): Ray restarts it and
     retries the call, and one that cannot be reached at all reads as no stop. Asked directly, a dead actor failed

@@ -480,6 +480,26 @@ def abort(trainer, timeout_s: float = 15.0) -> None:
         pass
 
 
+def dead_ranks(workers: list, ranks: list[int], timeout_s: float = 10.0) -> dict[int, BaseException]:
+    """Those of `ranks` (indexes into a worker group's `workers`) whose actor is dead, each with Ray's error: one call
+    each, which a live actor answers at once and a dead one with `RayActorError` once Ray has seen the death; one
+    still unanswered after `timeout_s` counts as alive."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    calls = {workers[rank].actor.__ray_ready__.remote(): rank for rank in ranks}
+    if not calls:
+        return {}
+    answered, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    dead = {}
+    for call in answered:
+        try:
+            ray.get(call)
+        except RayActorError as e:
+            dead[calls[call]] = e
+    return dead
+
+
 def trainer_class(base: type, run_dir: str) -> type:
     """`base` (`TorchTrainer`) keeping its controller's handle (for `abort`) instead of installing Ray Train's SIGINT
     handler, which would end the driver with status 0 and the record left running (`watch.driver_watch` handles
@@ -506,12 +526,21 @@ def trainer_class(base: type, run_dir: str) -> type:
             signals.catch_preemption()
 
     class RecordGroupFailure(WorkerGroupCallback):
-        """Runs in Ray Train's controller: a poll's errors are kept until the group is shut down, then recorded."""
+        """Runs in Ray Train's controller: a poll's errors are kept until the group is shut down, then recorded.
+
+        A poll can return a survivor's error (its peer gone) while the lost rank's own poll still hangs, its death
+        not yet published: then, before the shutdown, the ranks without an error are asked whether they live, so the
+        record names the lost one rather than the survivor that noticed (`dead_ranks`)."""
 
         errors: dict | None = None
 
         def after_worker_group_poll_status(self, worker_group_status):
             self.errors = dict(worker_group_status.errors) or self.errors
+
+        def before_worker_group_shutdown(self, worker_group):
+            if self.errors and not failures.lost_ranks(self.errors):
+                workers = worker_group.get_workers()
+                self.errors.update(dead_ranks(workers, [r for r in range(len(workers)) if r not in self.errors]))
 
         def after_worker_group_shutdown(self, worker_group_context):
             if self.errors:
