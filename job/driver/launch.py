@@ -538,9 +538,14 @@ def trainer_class(base: type, run_dir: str) -> type:
             self.errors = dict(worker_group_status.errors) or self.errors
 
         def before_worker_group_shutdown(self, worker_group):
-            if self.errors and not failures.lost_ranks(self.errors):
+            if not self.errors or failures.lost_ranks(self.errors):
+                return
+            try:
                 workers = worker_group.get_workers()
                 self.errors.update(dead_ranks(workers, [r for r in range(len(workers)) if r not in self.errors]))
+            except Exception as e:  # the group's shutdown goes on; the record names the rank that failed
+                print(f"cannot ask the worker group which rank died: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
 
         def after_worker_group_shutdown(self, worker_group_context):
             if self.errors:
