@@ -449,24 +449,28 @@ def test_a_deleted_head_pod_is_retried_and_resumes_the_same_run(node):
     the same run from its newest complete checkpoint, and the RayJob ends SUCCEEDED."""
     release, steps = "head", 1500
     namespace, saved = node.install_long_run(release, steps, 20, "--set", "rayJob.backoffLimit=1")
-    (head,) = node.pods(namespace, "ray.io/node-type=head")
-    node.core.delete_namespaced_pod(head.metadata.name, namespace, grace_period_seconds=0)
-    status = node.wait_for_job_end(namespace, timeout_s=1200)
-    assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
-    record = node.record(release)
-    assert record["status"] == "succeeded" and record["run_name"] == release
-    # KubeRay (docs/chart.md "RayJob name and upgrades") resubmits the job to the head it recreates (whose driver
-    # watches the dead one's lease until it is stale), or retries the RayJob on a new cluster: either driver takes
-    # the dead one's lease over.
-    assert (record["lease"]["took_over"] or {}).get("pod") == head.metadata.name, record["lease"]
-    (first,) = record["previous_attempts"]
-    # The attempt's workers die together (the retry finds the record `running`: abandoned, driver_lost) or one
-    # first, and rank 0 records its peer's gloo connection error (failed, worker_lost).
-    assert (first["status"], first["error"]["reason"]) in {("abandoned", "driver_lost"), ("failed", "worker_lost")}, first
-    (resume,) = node.metrics(release, "resume")
-    assert saved["step"] <= resume["step"] < steps, (saved, resume)
-    assert record["extra"]["resumed_from"]["step"] == resume["step"] and record["extra"]["resumed_from"]["data_exact"]
-    node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+    try:
+        (head,) = node.pods(namespace, "ray.io/node-type=head")
+        node.core.delete_namespaced_pod(head.metadata.name, namespace, grace_period_seconds=0)
+        status = node.wait_for_job_end(namespace, timeout_s=1200)
+        assert status.get("jobStatus") == "SUCCEEDED", node.diagnose(namespace)
+        record = node.record(release)
+        assert record["status"] == "succeeded" and record["run_name"] == release
+        # KubeRay (docs/chart.md "RayJob name and upgrades") resubmits the job to the head it recreates (whose
+        # driver watches the dead one's lease until it is stale), or retries the RayJob on a new cluster: either
+        # driver takes the dead one's lease over.
+        assert (record["lease"]["took_over"] or {}).get("pod") == head.metadata.name, \
+            (record["lease"], record["previous_attempts"])
+        (first,) = record["previous_attempts"]
+        # The attempt's workers die together (the retry finds the record `running`: abandoned, driver_lost) or one
+        # first, and rank 0 records its peer's gloo connection error (failed, worker_lost).
+        assert (first["status"], first["error"]["reason"]) in {("abandoned", "driver_lost"), ("failed", "worker_lost")}, \
+            first
+        (resume,) = node.metrics(release, "resume")
+        assert saved["step"] <= resume["step"] < steps, (saved, resume)
+        assert record["extra"]["resumed_from"]["step"] == resume["step"] and record["extra"]["resumed_from"]["data_exact"]
+    finally:  # a failure here must not leave the node's CPU taken for the tests after it
+        node.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
 
 
 def test_an_uninstall_mid_run_saves_and_the_reinstall_resumes_there_then_leaves_nothing_at_its_ttl(node):
