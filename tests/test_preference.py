@@ -231,11 +231,15 @@ def test_measuring_forwards_free_each_batchs_activations_before_the_next(tmp_pat
     model = CausalLMWithLoss(build_causal_lm(cfg.model, len(tokenizer), 0))
     device = torch.device("cpu")
 
+    def holding_graphs() -> set[int]:  # tensors that still hold a forward's graph (its activations)
+        return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None}
+
+    before = holding_graphs()  # other tests' leftovers in this process
     alive_at_forward, grad_enabled, forward = [], set(), model.forward
 
-    def counting_forward(*args, **kwargs):  # tensors that still hold a forward's graph (its activations)
+    def counting_forward(*args, **kwargs):
         grad_enabled.add(torch.is_grad_enabled())
-        alive_at_forward.append(sum(isinstance(o, torch.Tensor) and o.grad_fn is not None for o in gc.get_objects()))
+        alive_at_forward.append(len(holding_graphs() - before))
         return forward(*args, **kwargs)
 
     model.forward = counting_forward
